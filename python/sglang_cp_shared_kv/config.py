@@ -1,0 +1,35 @@
+"""Every knob of the plugin, in one place.
+
+* the CLI flag ``--enable-nsa-prefill-cp-shared-kv`` (``ServerArgs`` attribute
+  ``enable_nsa_prefill_cp_shared_kv``) turns the feature on; nothing else does;
+* ``SGLANG_DEBUG_CP_SHARED_KV=1`` turns on CUDA-syncing invariant checks and the
+  debug-level logs; off by default and off for performance measurement.
+"""
+
+from __future__ import annotations
+
+import os
+
+FLAG = "--enable-nsa-prefill-cp-shared-kv"
+FLAG_DEST = "enable_nsa_prefill_cp_shared_kv"
+FLAG_HELP = (
+    "Shard the persistent NSA KV cache (MLA latent + indexer K) page-interleaved across the "
+    "prefill context-parallel group, so N CP ranks expose N times the KV capacity. Needs "
+    "--enable-nsa-prefill-context-parallel --nsa-prefill-cp-mode in-seq-split, "
+    "--disaggregation-mode prefill with the mooncake backend, and "
+    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on prefill and decode."
+)
+
+DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
+
+#: NSA runs with 64-token pages on CUDA; the layout and the index buffer assume it.
+REQUIRED_PAGE_SIZE = 64
+
+
+def is_enabled(server_args) -> bool:
+    """Whether ``server_args`` turns the feature on (False for a stock ``ServerArgs``)."""
+    return bool(getattr(server_args, FLAG_DEST, False))
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")

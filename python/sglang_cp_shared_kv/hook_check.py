@@ -1,0 +1,105 @@
+"""Register the plugin's hooks and prove, at startup, that each one is in place.
+
+SGLang's ``HookRegistry.apply_hooks`` logs a failing target and carries on, so a
+renamed method would silently turn the feature into a no-op (or half of one). With
+the flag on, :func:`require_hooks_applied` stops startup instead, naming each hook
+that is missing. A hook counts as applied when the registry marked its target patched
+*and* the attribute now on the target wraps our hook function (a later plugin that
+replaced the attribute again is caught too).
+"""
+
+from __future__ import annotations
+
+import inspect
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional, Sequence
+
+from sglang_cp_shared_kv.config import FLAG
+
+
+class CpSharedKVHookError(RuntimeError):
+    """A plugin hook required by ``--enable-nsa-prefill-cp-shared-kv`` is not in place."""
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    target: str  # dotted path, as HookRegistry.register takes it
+    hook: Callable
+    hook_type: str  # "before" | "after" | "around" | "replace" (HookType values)
+
+
+_registered: List[HookSpec] = []
+
+
+def register_hooks(specs: Iterable[HookSpec]) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for spec in specs:
+        if spec in _registered:  # a second load_plugins() in one process must not stack hooks
+            continue
+        HookRegistry.register(spec.target, spec.hook, HookType(spec.hook_type))
+        _registered.append(spec)
+
+
+def registered_hooks() -> Sequence[HookSpec]:
+    return tuple(_registered)
+
+
+def _installed_attribute(target: str):
+    owner_path, attr = target.rsplit(".", 1)
+    owner = pkgutil.resolve_name(owner_path)
+    value = inspect.getattr_static(owner, attr)
+    return getattr(value, "__func__", value)  # classmethod / staticmethod
+
+
+def _wraps_hook(installed, hook: Callable) -> bool:
+    seen = 0
+    fn = installed
+    while fn is not None and seen < 64:
+        if fn is hook:
+            return True
+        if getattr(fn, "__closure__", None):
+            if inspect.getclosurevars(fn).nonlocals.get("hook") is hook:
+                return True
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return False
+
+
+def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
+    """One line per hook of ``specs`` (default: all registered) that is not in place."""
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    problems = []
+    for spec in registered_hooks() if specs is None else specs:
+        name = f"{spec.hook_type.upper()} {spec.target}"
+        if spec.target not in HookRegistry._patched:
+            problems.append(f"{name}: not applied (see the 'Failed to apply hooks to {spec.target}' log)")
+            continue
+        try:
+            installed = _installed_attribute(spec.target)
+        except (ImportError, AttributeError, ValueError) as exc:
+            problems.append(f"{name}: target no longer resolves ({exc})")
+            continue
+        if not _wraps_hook(installed, spec.hook):
+            problems.append(f"{name}: the attribute on the target no longer wraps our hook (replaced later?)")
+    return problems
+
+
+def require_hooks_applied(where: str, specs: Optional[Iterable[HookSpec]] = None) -> None:
+    """Raise :class:`CpSharedKVHookError` unless every hook is in place."""
+    specs = registered_hooks() if specs is None else tuple(specs)
+    if not specs:
+        raise CpSharedKVHookError(
+            f"{FLAG} is set but the sglang-cp-shared-kv plugin registered no hooks in the {where}; "
+            "check that the package is installed and that SGLANG_PLUGINS (if set) lists 'cp_shared_kv'."
+        )
+    problems = missing_hooks(specs)
+    if problems:
+        raise CpSharedKVHookError(
+            f"{FLAG}: {len(problems)} of {len(specs)} plugin hooks are not in place in the {where}, "
+            "so the feature cannot run correctly. This sglang-cp-shared-kv release supports "
+            "sglang==0.5.12.post1; install that version or drop the flag.\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )

@@ -1,0 +1,170 @@
+"""The ``--enable-nsa-prefill-cp-shared-kv`` flag on SGLang's ``ServerArgs`` and its validation.
+
+The flag is not a dataclass field of ``ServerArgs`` (we do not fork it); it is an
+instance attribute, carried by four hooks:
+
+* ``ServerArgs.__init__`` AROUND: accepts ``enable_nsa_prefill_cp_shared_kv=`` like any
+  other server arg (``sglang.Engine(..., enable_nsa_prefill_cp_shared_kv=True)``);
+* ``ServerArgs.add_cli_args`` AFTER: adds the CLI flag (``--help``, ``--config`` YAML);
+* ``ServerArgs.from_cli_args`` AROUND: copies the parsed value onto the instance;
+* ``ServerArgs.check_server_args`` AFTER: validates, after SGLang's own checks, in the
+  main process. The scheduler processes re-validate before building the pool
+  (:mod:`sglang_cp_shared_kv.capacity`).
+
+The attribute survives pickling into the scheduler processes (``ServerArgs`` has no
+``__slots__`` and no custom ``__getstate__``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, List, Optional
+
+from sglang_cp_shared_kv.config import FLAG, FLAG_DEST, FLAG_HELP, REQUIRED_PAGE_SIZE, is_enabled
+
+logger = logging.getLogger(__name__)
+
+_ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+_STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+
+
+class CpSharedKVConfigError(ValueError):
+    """The server configuration cannot run with ``--enable-nsa-prefill-cp-shared-kv``."""
+
+
+# ----------------------------------------------------------------------------- hooks
+def init_accepting_flag(original, self, *args, **kwargs):
+    """AROUND ``ServerArgs.__init__``: accept the flag as a keyword argument."""
+    setattr(self, FLAG_DEST, bool(kwargs.pop(FLAG_DEST, False)))
+    return original(self, *args, **kwargs)
+
+
+def add_flag_to_parser(result, parser, *args, **kwargs):
+    """AFTER ``ServerArgs.add_cli_args``."""
+    parser.add_argument(FLAG, dest=FLAG_DEST, action="store_true", help=FLAG_HELP)
+    return result
+
+
+def from_cli_args_with_flag(original, cls, args, *rest, **kwargs):
+    """AROUND ``ServerArgs.from_cli_args``: ``from_cli_args`` keeps dataclass fields only."""
+    server_args = original(cls, args, *rest, **kwargs)
+    setattr(server_args, FLAG_DEST, bool(getattr(args, FLAG_DEST, False)))
+    return server_args
+
+
+def validate_after_stock_checks(result, server_args, *args, **kwargs):
+    """AFTER ``ServerArgs.check_server_args`` (main process)."""
+    if is_enabled(server_args):
+        from sglang_cp_shared_kv.hook_check import require_hooks_applied
+
+        require_hooks_applied("main process")
+        validate(server_args)
+        logger.info("%s: configuration accepted (attention CP size %d).", FLAG, server_args.attn_cp_size)
+    return result
+
+
+# ------------------------------------------------------------------------ validation
+def _env_flag(name: str) -> bool:
+    from sglang.srt.environ import envs
+
+    return bool(getattr(envs, name).get())
+
+
+def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optional[bool] = None) -> List[str]:
+    """Every reason ``server_args`` cannot run with the flag, each naming the setting and the fix.
+
+    ``hf_config``/``use_mla`` default to what ``server_args`` resolves; a scheduler
+    process passes its model runner's values.
+    """
+    import torch
+    from sglang.srt.configs.model_config import is_deepseek_nsa
+
+    if hf_config is None:
+        hf_config = server_args.get_model_config().hf_config
+    if use_mla is None:
+        use_mla = server_args.use_mla_backend()
+
+    problems: List[str] = []
+
+    def refuse(setting: str, why_and_fix: str) -> None:
+        problems.append(f"{setting}: {why_and_fix}")
+
+    if server_args.device != "cuda" or getattr(torch.version, "hip", None):
+        refuse(f"--device {server_args.device}" + (" (ROCm)" if torch.version.hip else ""),
+               "shared KV runs on CUDA GPUs only for now; run the prefill server on NVIDIA GPUs "
+               "or drop the flag.")
+    architectures = getattr(hf_config, "architectures", None) or ["?"]
+    if not is_deepseek_nsa(hf_config):
+        refuse(f"--model-path {server_args.model_path} ({architectures[0]})",
+               "shared KV shards the NSA indexer and MLA caches of DeepSeek-V3.2 / GLM-5 style "
+               "models; this model is not NSA. Drop the flag for this model.")
+    elif not use_mla:
+        refuse(f"--model-path {server_args.model_path}",
+               "the model does not run with the MLA attention backend; shared KV needs the MLA "
+               "latent cache. Use --attention-backend nsa (the default for NSA models).")
+    if not server_args.enable_nsa_prefill_context_parallel:
+        refuse("--enable-nsa-prefill-context-parallel is off",
+               "shared KV shards the KV across the prefill CP group; add "
+               "--enable-nsa-prefill-context-parallel.")
+    if server_args.nsa_prefill_cp_mode != "in-seq-split":
+        refuse(f"--nsa-prefill-cp-mode {server_args.nsa_prefill_cp_mode}",
+               "only the in-seq-split mode has a shared-KV materialize and transfer contract; "
+               "set --nsa-prefill-cp-mode in-seq-split.")
+    if server_args.attn_cp_size <= 1:
+        refuse(f"attention CP size {server_args.attn_cp_size}",
+               "there is nothing to shard with one CP rank; with "
+               "--enable-nsa-prefill-context-parallel the CP size is --tp-size / --dp-size, so "
+               "use --tp-size 2 or more.")
+    if server_args.page_size != REQUIRED_PAGE_SIZE:
+        refuse(f"--page-size {server_args.page_size}",
+               f"the page-interleaved layout and the NSA index buffer use {REQUIRED_PAGE_SIZE}-token "
+               f"pages; set --page-size {REQUIRED_PAGE_SIZE}.")
+    if server_args.disaggregation_mode != "prefill":
+        refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",
+               "each CP rank holds only its stripe of the KV, so it cannot decode locally; run "
+               "this server with --disaggregation-mode prefill and a separate (non-CP) decode server.")
+    if server_args.disaggregation_transfer_backend != "mooncake":
+        refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
+               "the per-rank shard transfer is implemented for Mooncake only; set "
+               "--disaggregation-transfer-backend mooncake.")
+    if not _env_flag(_ALL_CP_RANKS_ENV):
+        refuse(f"{_ALL_CP_RANKS_ENV} is not set",
+               "every CP rank must send its own pages; export "
+               f"{_ALL_CP_RANKS_ENV}=1 on this server and on the decode server (so decode "
+               "waits for a response from every prefill CP rank).")
+    if _env_flag(_STAGING_ENV):
+        refuse(f"{_STAGING_ENV}=1", f"the PD staging buffer is not supported with shared KV; unset {_STAGING_ENV}.")
+    if server_args.enable_hierarchical_cache:
+        refuse("--enable-hierarchical-cache",
+               "HiCache sizes its host pool from the device pool and copies logical locations; "
+               "not supported with shared KV yet. Remove --enable-hierarchical-cache.")
+    if server_args.enable_hisparse:
+        refuse("--enable-hisparse", "HiSparse has its own pool layout; not supported with shared KV yet. "
+               "Remove --enable-hisparse.")
+    if server_args.speculative_algorithm is not None:
+        refuse(f"--speculative-algorithm {server_args.speculative_algorithm}",
+               "speculative decoding / NextN (MTP) on the prefill server reads the raw index "
+               "buffer by logical location; not supported with shared KV yet. Remove the "
+               "speculative-decoding options from the prefill server.")
+    if server_args.enable_return_routed_experts:
+        refuse("--enable-return-routed-experts",
+               "its capture buffer is sized by the (N times larger) logical token capacity; not "
+               "supported with shared KV yet. Remove the option.")
+    if server_args.enable_return_indexer_topk:
+        refuse("--enable-return-indexer-topk",
+               "its capture buffer is sized by the (N times larger) logical token capacity; not "
+               "supported with shared KV yet. Remove the option.")
+    if server_args.prefill_only_disable_kv_cache:
+        refuse("--prefill-only-disable-kv-cache",
+               "shared KV needs the paged KV cache; remove --prefill-only-disable-kv-cache.")
+    return problems
+
+
+def validate(server_args, *, hf_config: Any = None, use_mla: Optional[bool] = None) -> None:
+    """Raise :class:`CpSharedKVConfigError` listing every problem, or return."""
+    problems = configuration_problems(server_args, hf_config=hf_config, use_mla=use_mla)
+    if problems:
+        raise CpSharedKVConfigError(
+            f"{FLAG} cannot start with this configuration:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+        )

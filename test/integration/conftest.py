@@ -1,0 +1,78 @@
+"""Fixtures for tests that drive the real SGLang 0.5.12.post1 classes on a CPU machine."""
+
+import json
+import socket
+
+import pytest
+import torch
+from testing_support import TINY_DSV3, TINY_DSV32
+
+def _model_dir(tmp_path_factory, name, config):
+    path = tmp_path_factory.mktemp(name)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_nsa_model(tmp_path_factory):
+    return _model_dir(tmp_path_factory, "tiny-dsv32", TINY_DSV32)
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model(tmp_path_factory):
+    return _model_dir(tmp_path_factory, "tiny-dsv3", TINY_DSV3)
+
+
+@pytest.fixture(scope="session")
+def plugin_loaded():
+    """SGLang's own plugin loader, as every SGLang process runs it; the installed entry
+    point ``cp_shared_kv`` registers our hooks and the loader applies them."""
+    from sglang.srt.plugins import load_plugins
+
+    from sglang_cp_shared_kv.hook_check import registered_hooks
+
+    load_plugins()
+    hooks = registered_hooks()
+    assert hooks, "the cp_shared_kv entry point did not register hooks (is the package installed?)"
+    return hooks
+
+
+@pytest.fixture
+def pretend_hopper(monkeypatch):
+    """ServerArgs asks the CUDA device for its compute capability when it picks the NSA
+    defaults; answer as the H200 (sm90) this feature targets would."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+
+
+@pytest.fixture
+def all_cp_ranks_env(monkeypatch):
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    monkeypatch.delenv("SGLANG_DISAGG_STAGING_BUFFER", raising=False)
+
+
+@pytest.fixture(scope="session")
+def sglang_world_of_one():
+    """SGLang's model-parallel state for one process over gloo (TP = attention TP = 1),
+    which the memory-pool configurator queries."""
+    from sglang.srt.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
+    yield
+
+
+@pytest.fixture
+def triton_standins(monkeypatch):
+    """Swap SGLang's Triton allocator kernels (``alloc_extend_kernel``,
+    ``alloc_decode_kernel``) for the torch equivalents in test/torch_standins.py, which
+    test/gpu proves equal to the real kernels. The only place CPU tests replace SGLang code."""
+    import sglang.srt.mem_cache.allocator as allocator
+    from torch_standins import ALLOC_DECODE_STANDIN, ALLOC_EXTEND_STANDIN
+
+    monkeypatch.setattr(allocator, "alloc_extend_kernel", ALLOC_EXTEND_STANDIN)
+    monkeypatch.setattr(allocator, "alloc_decode_kernel", ALLOC_DECODE_STANDIN)

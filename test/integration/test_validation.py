@@ -1,0 +1,98 @@
+"""Startup validation: every unsupported setting refused with a message naming it and the fix."""
+
+import pytest
+from testing_support import shared_kv_kwargs
+
+from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.server_args import CpSharedKVConfigError, configuration_problems
+
+pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
+
+# id: (ServerArgs keywords, attributes set after construction, env changes, setting named, fix named)
+REFUSALS = {
+    "non_cuda_device": ({"device": "cpu"}, {}, {}, "--device cpu", "CUDA GPUs only"),
+    "round_robin_split": ({"nsa_prefill_cp_mode": "round-robin-split"}, {}, {},
+                          "--nsa-prefill-cp-mode round-robin-split", "set --nsa-prefill-cp-mode in-seq-split"),
+    "no_prefill_cp": ({"enable_nsa_prefill_context_parallel": False}, {}, {},
+                      "--enable-nsa-prefill-context-parallel is off", "add --enable-nsa-prefill-context-parallel"),
+    "cp_size_one": ({"tp_size": 1}, {}, {}, "attention CP size 1", "use --tp-size 2 or more"),
+    "page_size": ({}, {"page_size": 32}, {}, "--page-size 32", "set --page-size 64"),
+    "not_pd_prefill": ({"disaggregation_mode": "null"}, {}, {}, "--disaggregation-mode null",
+                       "--disaggregation-mode prefill"),
+    "not_mooncake": ({"disaggregation_transfer_backend": "nixl"}, {}, {},
+                     "--disaggregation-transfer-backend nixl", "--disaggregation-transfer-backend mooncake"),
+    "all_cp_ranks_env_unset": ({}, {}, {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None},
+                               "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is not set",
+                               "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on this server and on the decode"),
+    "staging_buffer": ({}, {}, {"SGLANG_DISAGG_STAGING_BUFFER": "1"}, "SGLANG_DISAGG_STAGING_BUFFER=1",
+                       "unset SGLANG_DISAGG_STAGING_BUFFER"),
+    "hicache": ({"enable_hierarchical_cache": True}, {}, {}, "--enable-hierarchical-cache",
+                "Remove --enable-hierarchical-cache"),
+    "hisparse": ({"enable_hisparse": True, "disable_radix_cache": True}, {}, {}, "--enable-hisparse", "Remove --enable-hisparse"),
+    "speculative_nextn": ({"speculative_algorithm": "NEXTN"}, {}, {}, "--speculative-algorithm",
+                          "Remove the speculative-decoding options"),
+    "return_routed_experts": ({"enable_return_routed_experts": True}, {}, {},
+                              "--enable-return-routed-experts", "Remove the option"),
+    "return_indexer_topk": ({"enable_return_indexer_topk": True}, {}, {},
+                            "--enable-return-indexer-topk", "Remove the option"),
+    "prefill_only_no_kv_cache": ({}, {"prefill_only_disable_kv_cache": True}, {},
+                                 "--prefill-only-disable-kv-cache", "remove --prefill-only-disable-kv-cache"),
+}
+
+
+def _build(model, kwargs, post, env, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    server_args = ServerArgs(**shared_kv_kwargs(model, **kwargs))
+    for name, value in post.items():
+        setattr(server_args, name, value)
+    return server_args
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_each_unsupported_setting_is_refused(case, tiny_nsa_model, monkeypatch):
+    kwargs, post, env, setting, fix = REFUSALS[case]
+    server_args = _build(tiny_nsa_model, kwargs, post, env, monkeypatch)
+    with pytest.raises(CpSharedKVConfigError) as exc:
+        server_args.check_server_args()  # the real main-process path (our AFTER hook)
+    message = str(exc.value)
+    assert message.startswith(f"{FLAG} cannot start with this configuration:")
+    problem = next(line for line in message.splitlines() if setting in line)
+    assert fix in problem, message
+
+
+def test_non_nsa_model_is_refused(tiny_mla_model, monkeypatch):
+    server_args = _build(tiny_mla_model, {}, {}, {}, monkeypatch)
+    with pytest.raises(CpSharedKVConfigError, match=r"DeepseekV3ForCausalLM.*not NSA"):
+        server_args.check_server_args()
+
+
+def test_one_change_gives_one_problem(tiny_nsa_model, monkeypatch):
+    server_args = _build(tiny_nsa_model, {"enable_hierarchical_cache": True}, {}, {}, monkeypatch)
+    assert len(configuration_problems(server_args)) == 1
+
+
+def test_all_problems_are_reported_together(tiny_nsa_model, monkeypatch):
+    server_args = _build(tiny_nsa_model, {"disaggregation_mode": "null", "enable_hierarchical_cache": True}, {},
+                         {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None}, monkeypatch)
+    assert len(configuration_problems(server_args)) == 3
+
+
+def test_valid_configuration_passes(tiny_nsa_model, monkeypatch):
+    server_args = _build(tiny_nsa_model, {}, {}, {}, monkeypatch)
+    assert configuration_problems(server_args) == []
+    server_args.check_server_args()
+    fp8 = _build(tiny_nsa_model, {"kv_cache_dtype": "fp8_e4m3"}, {}, {}, monkeypatch)
+    fp8.check_server_args()
+
+
+def test_flag_off_never_validates(tiny_nsa_model, monkeypatch):
+    server_args = _build(tiny_nsa_model, {"enable_nsa_prefill_cp_shared_kv": False,
+                                          "disaggregation_mode": "null"}, {},
+                         {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None}, monkeypatch)
+    server_args.check_server_args()  # stock behaviour: nothing of ours is checked
