@@ -16,6 +16,7 @@ _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKV
 _METRICS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector"
 
 HOOKS = (
+    # --- the flag, validation, capacity, metrics
     HookSpec(f"{_SERVER_ARGS}.__init__", server_args.init_accepting_flag, "around"),
     HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_flag_to_parser, "after"),
     HookSpec(f"{_SERVER_ARGS}.from_cli_args", server_args.from_cli_args_with_flag, "around"),
@@ -24,6 +25,8 @@ HOOKS = (
     HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),
     HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
     HookSpec(f"{_METRICS}.emit_constants", metrics.emit_physical_capacity, "after"),
+    # --- forward path: owner-only writes, full-view reads
+    # --- PD transfer of each rank's shard
 )
 
 
