@@ -8,12 +8,14 @@ is set. With the flag on, startup verifies that every hook below is in place
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv import capacity, metrics, server_args
+from sglang_cp_shared_kv import batch_state, capacity, materialize, metrics, server_args, writes
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
 _METRICS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector"
+_NSA_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
+_INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
 
 HOOKS = (
     # --- the flag, validation, capacity, metrics
@@ -26,6 +28,9 @@ HOOKS = (
     HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
     HookSpec(f"{_METRICS}.emit_constants", metrics.emit_physical_capacity, "after"),
     # --- forward path: owner-only writes, full-view reads
+    HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", batch_state.attach_batch_state, "after"),
+    HookSpec(f"{_INDEXER}._store_index_k_cache", writes.store_index_k_owned_and_dense, "around"),
+    HookSpec(f"{_NSA_BACKEND}.forward_extend", materialize.forward_extend_on_dense_view, "around"),
     # --- PD transfer of each rank's shard
 )
 

@@ -11,17 +11,26 @@ duration of that one call, when the flag is on. The stock classes stay what they
 are everywhere else (HiSparse ``isinstance`` checks, a decode server in the same
 environment).
 
-Reads and writes of KV rows by logical location arrive with the owner-only write and
-full-view read path; until then the location-addressed accessors refuse rather than
-touch the wrong physical row.
+KV access during a forward (the batch state comes from the ``init_forward_metadata``
+hook, the dense views from the per-layer hooks in :mod:`writes` and :mod:`materialize`):
+
+* ``set_mla_kv_buffer`` writes only the rows this rank owns, at physical locations
+  (every CUDA MLA writer goes through it);
+* ``get_key_buffer`` and the index readers serve the layer's *dense view* (the
+  materialized scratch the remapped page tables address) and refuse when there is
+  none, rather than read physical rows with dense or logical locations;
+* index writes go to the buffer :meth:`index_writes_into` names for one store (this
+  rank's physical pages, or the dense view).
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Tuple
 
+import torch
+from sglang.srt.layers.attention.nsa import index_buf_accessor
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
 from sglang_cp_shared_kv.config import FLAG
@@ -64,31 +73,127 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
         # SGLang bounds-checks logical page tables against `size`; buffers stay physical.
         self.size = size
         self.logical_size = size
+        self.batch_state = None
+        self._mla_view: Optional[Tuple[int, torch.Tensor]] = None
+        self._index_view: Optional[Tuple[int, torch.Tensor]] = None
+        self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
 
-    # Location-addressed paths that would treat logical locations as physical rows.
-    def get_cpu_copy(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{FLAG}: offloading KV to host by location (retract/offload) is not supported "
-            "with shared KV; its locations are logical and the rows are spread over the CP group"
+    # ---------------------------------------------------------------- per batch
+    def begin_batch(self, state) -> None:
+        self.end_batch()
+        self.batch_state = state
+
+    def end_batch(self) -> None:
+        self.batch_state = None
+        self.clear_views()
+
+    def clear_views(self) -> None:
+        self._mla_view = None
+        self._index_view = None
+
+    def set_mla_view(self, layer_id: int, dense: torch.Tensor) -> None:
+        self._mla_view = (layer_id, dense)
+
+    def set_index_view(self, layer_id: int, dense: torch.Tensor) -> None:
+        self._index_view = (layer_id, dense)
+
+    def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.kv_buffer[layer_id - self.start_layer]
+
+    def physical_index_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.index_k_with_scale_buffer[layer_id - self.start_layer]
+
+    def _view(self, view, layer_id: int, what: str) -> torch.Tensor:
+        if view is None or view[0] != layer_id:
+            raise RuntimeError(
+                f"{FLAG}: {what} of layer {layer_id} read without a materialized dense view; "
+                "a shared-KV rank cannot read the sequence from its own shard"
+            )
+        return view[1]
+
+    # ---------------------------------------------------------------- MLA rows
+    def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
+        """Write the rows this rank owns at their physical locations; drop the rest."""
+        from sglang_cp_shared_kv.writes import owned_rows_of
+
+        rows, physical_locs = owned_rows_of(self, loc)
+        if rows.numel():
+            super().set_mla_kv_buffer(layer, physical_locs, cache_k_nope.index_select(0, rows),
+                                      cache_k_rope.index_select(0, rows))
+
+    def store_rows_into(self, buffer: torch.Tensor, layer, locs, cache_k_nope, cache_k_rope) -> None:
+        """SGLang's own MLA store (incl. fp8 quantization) into ``buffer`` at ``locs``: the
+        bytes are exactly those a stock pool would hold for these rows."""
+        index = layer.layer_id - self.start_layer
+        physical = self.kv_buffer[index]
+        self.kv_buffer[index] = buffer
+        try:
+            super().set_mla_kv_buffer(layer, locs, cache_k_nope, cache_k_rope)
+        finally:
+            self.kv_buffer[index] = physical
+
+    def get_key_buffer(self, layer_id: int):
+        dense = self._view(self._mla_view, layer_id, "the MLA KV")
+        return dense.view(self.dtype) if self.store_dtype != self.dtype else dense
+
+    def get_value_buffer(self, layer_id: int):
+        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
+
+    # ------------------------------------------------------------- index rows
+    @contextmanager
+    def index_writes_into(self, layer_id: int, buffer: torch.Tensor):
+        """Within the block, the index stores of ``layer_id`` write into ``buffer``."""
+        self._index_write_target = (layer_id, buffer)
+        try:
+            yield
+        finally:
+            self._index_write_target = None
+
+    def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
+        target = self._index_write_target
+        if target is None or target[0] != layer_id:
+            raise RuntimeError(
+                f"{FLAG}: the raw index buffer of layer {layer_id} requested outside a shared-KV "
+                "index store (decode / speculative paths are not supported on a shared-KV rank)"
+            )
+        return target[1]
+
+    def set_index_k_scale_buffer(self, layer_id, loc, index_k, index_k_scale) -> None:
+        index_buf_accessor.SetKAndS.execute(
+            pool=self, buf=self.get_index_k_with_scale_buffer(layer_id), loc=loc,
+            index_k=index_k, index_k_scale=index_k_scale,
         )
+
+    def get_index_k_continuous(self, layer_id, seq_len, page_indices):
+        buf = self._view(self._index_view, layer_id, "the index K")
+        return index_buf_accessor.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
+
+    def get_index_k_scale_continuous(self, layer_id, seq_len, page_indices):
+        buf = self._view(self._index_view, layer_id, "the index K scale")
+        return index_buf_accessor.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
+
+    def get_index_k_scale_buffer(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
+        buf = self._view(self._index_view, layer_id, "the index K and scale")
+        return index_buf_accessor.GetKAndS.execute(
+            self, buf, page_indices=page_indices, seq_len_tensor=seq_len_tensor,
+            seq_len_sum=seq_len_sum, max_seq_len=max_seq_len,
+        )
+
+    # ------------------------------------------- paths that would misuse logical locations
+    def _refuse(self, what: str):
+        raise NotImplementedError(f"{FLAG}: {what} is not supported on a shared-KV prefill rank")
+
+    def get_mla_kv_buffer(self, *args, **kwargs):
+        self._refuse("reading MLA rows by location (get_mla_kv_buffer)")
+
+    def set_kv_buffer(self, *args, **kwargs):
+        self._refuse("set_kv_buffer (non-MLA writes)")
+
+    def get_cpu_copy(self, *args, **kwargs):
+        self._refuse("offloading KV to host by location (retract/offload)")
 
     def load_cpu_copy(self, *args, **kwargs):
-        self.get_cpu_copy()
-
-    def _refuse_unmapped_access(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{FLAG}: this build has the shared-KV capacity split but not yet the owner-only "
-            "write / full-view read path; KV rows cannot be addressed by logical location"
-        )
-
-    set_mla_kv_buffer = _refuse_unmapped_access
-    get_mla_kv_buffer = _refuse_unmapped_access
-    set_kv_buffer = _refuse_unmapped_access
-    set_index_k_scale_buffer = _refuse_unmapped_access
-    get_index_k_with_scale_buffer = _refuse_unmapped_access
-    get_index_k_continuous = _refuse_unmapped_access
-    get_index_k_scale_continuous = _refuse_unmapped_access
-    get_index_k_scale_buffer = _refuse_unmapped_access
+        self._refuse("loading KV from host by location")
 
 
 @contextmanager

@@ -25,6 +25,9 @@ from sglang_cp_shared_kv.config import FLAG, FLAG_DEST, FLAG_HELP, REQUIRED_PAGE
 logger = logging.getLogger(__name__)
 
 _ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+# NSA prefill implementations whose KV reads go through the pool's get_key_buffer and
+# the backend's page tables (trtllm keeps its own layout; aiter is ROCm).
+SUPPORTED_NSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "fa3", "tilelang")
 _STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 
 
@@ -119,6 +122,11 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse(f"--page-size {server_args.page_size}",
                f"the page-interleaved layout and the NSA index buffer use {REQUIRED_PAGE_SIZE}-token "
                f"pages; set --page-size {REQUIRED_PAGE_SIZE}.")
+    prefill_backend = getattr(server_args, "nsa_prefill_backend", None)
+    if prefill_backend is not None and prefill_backend not in SUPPORTED_NSA_PREFILL_BACKENDS:
+        refuse(f"--nsa-prefill-backend {prefill_backend}",
+               "its KV reads bypass the dense view shared KV materializes; use one of "
+               f"{', '.join(SUPPORTED_NSA_PREFILL_BACKENDS)} (the Hopper defaults are supported).")
     if server_args.disaggregation_mode != "prefill":
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV, so it cannot decode locally; run "

@@ -68,11 +68,10 @@ def sglang_world_of_one():
 
 @pytest.fixture
 def triton_standins(monkeypatch):
-    """Swap SGLang's Triton allocator kernels (``alloc_extend_kernel``,
-    ``alloc_decode_kernel``) for the torch equivalents in test/torch_standins.py, which
-    test/gpu proves equal to the real kernels. The only place CPU tests replace SGLang code."""
-    import sglang.srt.mem_cache.allocator as allocator
-    from torch_standins import ALLOC_DECODE_STANDIN, ALLOC_EXTEND_STANDIN
+    """Swap SGLang's Triton kernels that cannot run on a CPU (allocator, MLA store, fp8 KV
+    quantization, index quantization and index buffer accessors) for the torch equivalents
+    in test/torch_standins.py, which test/gpu proves equal to the real kernels. The only
+    place CPU tests replace SGLang code (the CP harness installs the same table)."""
+    import torch_standins
 
-    monkeypatch.setattr(allocator, "alloc_extend_kernel", ALLOC_EXTEND_STANDIN)
-    monkeypatch.setattr(allocator, "alloc_decode_kernel", ALLOC_DECODE_STANDIN)
+    torch_standins.install(monkeypatch.setattr)

@@ -72,8 +72,14 @@ def test_location_addressed_paths_refuse_instead_of_corrupting():
     pool = shared_pool(2 * PAGE, 2)
     with pytest.raises(NotImplementedError, match="host by location"):
         pool.get_cpu_copy(torch.arange(64))
-    with pytest.raises(NotImplementedError, match="logical location"):
-        pool.set_mla_kv_buffer(None, torch.arange(1), None, None)
+    with pytest.raises(NotImplementedError, match="get_mla_kv_buffer"):
+        pool.get_mla_kv_buffer(None, torch.arange(1))
+    with pytest.raises(RuntimeError, match="without a materialized dense view"):
+        pool.get_key_buffer(0)
+    with pytest.raises(RuntimeError, match="without a materialized dense view"):
+        pool.get_index_k_continuous(0, 64, torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="outside a shared-KV index store"):
+        pool.get_index_k_with_scale_buffer(0)
 
 
 def test_swap_is_scoped_to_the_block():

@@ -1,0 +1,189 @@
+"""Per-forward shared-KV state, built once per batch and reused by every layer.
+
+``NativeSparseAttnBackend.init_forward_metadata`` AFTER (:func:`attach_batch_state`)
+runs after SGLang's CP padding and its own metadata, once per forward, before the
+model. When the batch runs on the shared-KV pool it
+
+* computes, on the device, the physical locations of the rows this rank owns, the
+  dense placement of the sequence's pages (:mod:`dense_layout`) and the dense
+  location of every row of the chunk;
+* replaces the backend's page tables (``page_table_1``, ``real_page_table``,
+  ``page_table_1_flattened``) with dense ones, so the indexer's fused top-k, the
+  index reads and the attention kernels all address the dense scratch, untouched;
+* attaches the state to the batch (``forward_batch.uses_cp_shared_kv``,
+  ``forward_batch.cp_shared_kv_layout``, ``forward_batch.cp_shared_kv``) and to the pool.
+
+Host synchronisation: two per batch (the owned-row count and the dense block sizes);
+none per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang_cp_shared_kv.config import FLAG, debug_enabled
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.dense_layout import DensePageMap, build_dense_page_map
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CpSharedBatchState:
+    """Everything a layer needs to write its shard and read the dense view."""
+
+    layout: CpSharedKVLayout
+    group: object  # torch.distributed ProcessGroup of the attention CP ranks
+    page_map: DensePageMap
+    prefix_len: int
+    extend_len: int
+    out_cache_loc: torch.Tensor  # the batch's logical out_cache_loc (identity marks its writes)
+    owned_rows: torch.Tensor  # rows of out_cache_loc whose page this rank owns
+    owned_physical_locs: torch.Tensor  # their physical locations in this rank's pool
+    dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
+    debug: bool
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix_len + self.extend_len
+
+    @property
+    def num_owned_rows(self) -> int:
+        return int(self.owned_rows.numel())
+
+
+def cp_device_group(layout: CpSharedKVLayout):
+    """The attention-CP process group SGLang set up for this rank, checked against the layout
+    (the all-gather output is ordered by group rank, the layout by CP rank)."""
+    from sglang.srt.layers.dp_attention import get_attention_cp_group
+
+    group = get_attention_cp_group().device_group
+    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+    if (rank, size) != (layout.cp_rank, layout.cp_size):
+        raise RuntimeError(
+            f"{FLAG}: the attention CP group has rank {rank} of {size} but the pool was built "
+            f"for CP rank {layout.cp_rank} of {layout.cp_size}")
+    return group
+
+
+def build_batch_state(layout: CpSharedKVLayout, group, *, seq_pages: torch.Tensor, prefix_len: int,
+                      extend_len: int, out_cache_loc: torch.Tensor, debug: bool) -> CpSharedBatchState:
+    """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``."""
+    page_size = layout.page_size
+    history_pages = -(-prefix_len // page_size)
+    page_map = build_dense_page_map(layout, seq_pages, history_pages)
+
+    owned = layout.owned_by_this_rank(out_cache_loc, validate=False)
+    owned_rows = owned.nonzero().squeeze(1)
+    owned_physical_locs = layout.logical_locs_to_physical(out_cache_loc[owned_rows], validate=False)
+
+    row = torch.arange(out_cache_loc.numel(), device=out_cache_loc.device, dtype=torch.int64)
+    is_token = row < extend_len  # rows past the chunk are SGLang's padding (location 0)
+    dense_out_locs = torch.where(
+        is_token, page_map.dense_locs_of_positions(torch.where(is_token, row + prefix_len, 0)), 0)
+    return CpSharedBatchState(
+        layout=layout, group=group, page_map=page_map, prefix_len=prefix_len, extend_len=extend_len,
+        out_cache_loc=out_cache_loc, owned_rows=owned_rows, owned_physical_locs=owned_physical_locs,
+        dense_out_locs=dense_out_locs.to(out_cache_loc.dtype), debug=debug,
+    )
+
+
+def dense_metadata(metadata, page_map: DensePageMap, seq_len: int):
+    """``metadata`` (SGLang's frozen ``NSAMetadata``) with dense page tables."""
+    table = metadata.page_table_1
+    dense_table = page_map.dense_token_table(seq_len, table.shape[1]).to(table.dtype)[None]
+    real = metadata.real_page_table
+    dense_real = torch.zeros_like(real)
+    dense_real[0, : page_map.num_pages] = page_map.dense_page.to(real.dtype)
+    replaced = dict(page_table_1=dense_table, real_page_table=dense_real)
+    if metadata.page_table_1_flattened is not None:
+        replaced["page_table_1_flattened"] = dense_table[0, :seq_len].to(
+            metadata.page_table_1_flattened.dtype)
+    return dataclasses.replace(metadata, **replaced)
+
+
+# ------------------------------------------------------------------------- checks
+def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, pool) -> None:
+    """Debug-mode invariants (synchronise the device)."""
+    layout, page_map = state.layout, state.page_map
+    page_size = layout.page_size
+    positions = torch.arange(state.seq_len, device=page_table_1.device)
+    logical_table = page_table_1[0, : state.seq_len].to(torch.int64)
+    pages = logical_table // page_size
+    if bool((pages <= 0).any()) or bool((pages > pool.size // page_size).any()):
+        raise AssertionError(f"{FLAG}: the sequence's page table leaves the logical page range")
+    if not torch.equal(logical_table % page_size, positions % page_size):
+        raise AssertionError(f"{FLAG}: the sequence's page table is not page-aligned")
+    chunk = state.out_cache_loc[: state.extend_len].to(torch.int64)
+    if not torch.equal(chunk, logical_table[state.prefix_len:]):
+        raise AssertionError(f"{FLAG}: out_cache_loc does not match the page table's chunk rows")
+    if bool((state.out_cache_loc[state.extend_len:] >= page_size).any()):
+        raise AssertionError(f"{FLAG}: padding rows of out_cache_loc leave the dummy page")
+    owners = layout.owner_for_logical_pages(state.out_cache_loc[state.owned_rows] // page_size)
+    if bool((owners != layout.cp_rank).any()):
+        raise AssertionError(f"{FLAG}: a row selected for this rank is owned by another rank")
+    if state.num_owned_rows and int(state.owned_physical_locs.max()) >= pool.physical_size + page_size:
+        raise AssertionError(f"{FLAG}: an owned row maps outside the physical pool")
+    # Every CP rank must size the collectives identically.
+    mine = torch.tensor([page_map.num_pages, page_map.history_pages, page_map.history_pad,
+                         page_map.current_pad, int(pages.sum())], dtype=torch.int64,
+                        device=page_table_1.device)
+    everyone = torch.empty(layout.cp_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    torch.distributed.all_gather_into_tensor(everyone, mine, group=state.group)
+    if not bool((everyone.view(layout.cp_size, -1) == mine).all()):
+        raise AssertionError(
+            f"{FLAG}: CP ranks disagree on the materialize plan (pages, history, M_h, M_c, page sum): "
+            f"{everyone.view(layout.cp_size, -1).tolist()}")
+    logger.debug(
+        "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
+        state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
+        page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
+
+
+# --------------------------------------------------------------------------- hook
+def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
+    """AFTER ``NativeSparseAttnBackend.init_forward_metadata``."""
+    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+
+    pool = forward_batch.token_to_kv_pool
+    if not isinstance(pool, CpSharedNSATokenToKVPool):
+        return result
+    pool.end_batch()
+    mode = forward_batch.forward_mode
+    if mode.is_idle():
+        return result
+    if not mode.is_extend_without_speculative():
+        raise NotImplementedError(
+            f"{FLAG}: forward mode {mode.name} on a shared-KV prefill rank; only prefill "
+            "(extend) runs here, decode runs on the decode server")
+    if forward_batch.batch_size != 1:
+        raise NotImplementedError(
+            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; NSA in-seq-split "
+            "CP prefill runs one request per batch")
+    metadata = backend.forward_metadata
+    prefix_len = int(forward_batch.extend_prefix_lens_cpu[0])
+    extend_len = int(forward_batch.extend_seq_lens_cpu[0])
+    seq_len = prefix_len + extend_len
+    num_pages = -(-seq_len // pool.page_size)
+    state = build_batch_state(
+        pool.cp_layout, cp_device_group(pool.cp_layout),
+        seq_pages=metadata.real_page_table[0, :num_pages], prefix_len=prefix_len,
+        extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc, debug=debug_enabled(),
+    )
+    if state.debug:
+        check_batch_state(state, metadata.page_table_1, pool)
+    backend.forward_metadata = dense_metadata(metadata, state.page_map, seq_len)
+    forward_batch.uses_cp_shared_kv = True
+    forward_batch.cp_shared_kv_layout = pool.cp_layout
+    forward_batch.cp_shared_kv = state
+    pool.begin_batch(state)
+    return result
+
+
+def batch_state_of(forward_batch) -> Optional[CpSharedBatchState]:
+    return getattr(forward_batch, "cp_shared_kv", None)

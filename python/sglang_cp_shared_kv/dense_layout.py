@@ -1,0 +1,128 @@
+"""Where each page of a sequence sits in the dense scratch the stock NSA kernels read.
+
+Each CP rank stores only the pages it owns, so before a layer's attention and indexer
+read the sequence, the group materializes a *dense scratch*: one buffer holding every
+page the layer reads, identical on all ranks, addressed by remapped page tables.
+
+The scratch is **owner-major**, so the all-gather output *is* the scratch (no unpack):
+
+    page 0                      dummy page (padding locations land here, as in the pool)
+    history region   N x M_h    rank 0's history pages, then rank 1's, ... (gathered)
+    current region   N x M_c    rank 0's current-only pages, then rank 1's, ...
+
+*History* pages hold at least one token before ``prefix_len`` (the page shared by the
+end of the prefix and the start of the chunk included); *current-only* pages hold
+only tokens of this chunk. Within a rank's block, pages keep sequence order; each
+block is padded to ``M`` = the largest number of pages any one rank owns in that
+region. ``M_h`` and ``M_c`` derive from the sequence's logical page list, which every
+CP rank holds identically, so the collective sizes are rank-identical by construction.
+
+The history region is filled by one all-gather of each rank's owned history pages.
+The current region is filled locally from the current chunk's KV, which every rank
+already has after SGLang's in-seq CP all-gather (phase 3); when that KV is not at hand
+the current region is gathered the same way (the phase-2 full view).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+
+DENSE_DUMMY_PAGES = 1
+
+
+@dataclass(frozen=True)
+class DensePageMap:
+    """The dense placement of one sequence's pages, as seen from one CP rank."""
+
+    layout: CpSharedKVLayout
+    num_pages: int  # P: pages of the sequence
+    history_pages: int  # H: the first H pages are history
+    history_pad: int  # M_h: pages per rank block in the history region
+    current_pad: int  # M_c: pages per rank block in the current region
+    dense_page: torch.Tensor  # (P,) int64: dense page of each sequence page
+    history_send: torch.Tensor  # (M_h,) int64: this rank's physical pages, history region order
+    current_send: torch.Tensor  # (M_c,) int64: same for the current region
+
+    @property
+    def num_dense_pages(self) -> int:
+        return DENSE_DUMMY_PAGES + self.layout.cp_size * (self.history_pad + self.current_pad)
+
+    @property
+    def history_region(self) -> Tuple[int, int]:
+        """[first, end) dense pages of the history region."""
+        start = DENSE_DUMMY_PAGES
+        return start, start + self.layout.cp_size * self.history_pad
+
+    @property
+    def current_region(self) -> Tuple[int, int]:
+        start = self.history_region[1]
+        return start, start + self.layout.cp_size * self.current_pad
+
+    def dense_locs_of_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Dense token locations of sequence positions (all < P * page_size)."""
+        page_size = self.layout.page_size
+        return self.dense_page[positions // page_size] * page_size + positions % page_size
+
+    def dense_token_table(self, seq_len: int, width: int) -> torch.Tensor:
+        """(width,) dense locations of positions 0..width-1; 0 (the dummy page) past seq_len."""
+        positions = torch.arange(width, device=self.dense_page.device, dtype=torch.int64)
+        valid = positions < seq_len
+        locs = self.dense_locs_of_positions(torch.where(valid, positions, 0))
+        return torch.where(valid, locs, 0)
+
+
+def _place_region(owners: torch.Tensor, physical: torch.Tensor, rank: int, cp_size: int,
+                  block_pad: int, base: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense pages of a region's pages, and this rank's send list (padded with page 0)."""
+    if owners.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=owners.device)
+        return empty, torch.zeros(block_pad, dtype=torch.int64, device=owners.device)
+    one_hot = torch.nn.functional.one_hot(owners, cp_size)
+    index_in_block = (one_hot.cumsum(0) * one_hot).sum(1) - 1
+    dense = base + owners * block_pad + index_in_block
+    # Scatter this rank's physical pages to their block slot; other ranks' pages land in
+    # the spare last slot, which is dropped. Page 0 (the sender's dummy) pads the tail.
+    slots = torch.where(owners == rank, index_in_block, block_pad)
+    send = torch.zeros(block_pad + 1, dtype=torch.int64, device=owners.device)
+    send.scatter_(0, slots, physical)
+    return dense, send[:block_pad]
+
+
+def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, history_pages: int) -> DensePageMap:
+    """Place the ``P`` logical pages of one sequence (``seq_pages``, in sequence order;
+    the first ``history_pages`` are history) in the dense scratch.
+
+    One host synchronisation reads the two block sizes, which size the collectives.
+    """
+    seq_pages = seq_pages.to(torch.int64)
+    num_pages = int(seq_pages.numel())
+    if not 0 <= history_pages <= num_pages:
+        raise ValueError(f"history_pages={history_pages} outside [0, {num_pages}]")
+    owners = layout.owner_for_logical_pages(seq_pages, validate=False)
+    physical = layout.logical_pages_to_physical(seq_pages, validate=False)
+    n = layout.cp_size
+    counts = torch.stack([
+        torch.bincount(owners[:history_pages], minlength=n),
+        torch.bincount(owners[history_pages:], minlength=n),
+    ])
+    history_pad, current_pad = (int(x) for x in counts.max(dim=1).values.tolist())
+    hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
+                                          layout.cp_rank, n, history_pad, DENSE_DUMMY_PAGES)
+    cur_dense, cur_send = _place_region(owners[history_pages:], physical[history_pages:],
+                                        layout.cp_rank, n, current_pad,
+                                        DENSE_DUMMY_PAGES + n * history_pad)
+    return DensePageMap(
+        layout=layout,
+        num_pages=num_pages,
+        history_pages=history_pages,
+        history_pad=history_pad,
+        current_pad=current_pad,
+        dense_page=torch.cat([hist_dense, cur_dense]),
+        history_send=hist_send,
+        current_send=cur_send,
+    )

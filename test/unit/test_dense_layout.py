@@ -1,0 +1,89 @@
+"""dense_layout: the owner-major dense placement of a sequence's pages."""
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.dense_layout import DENSE_DUMMY_PAGES, build_dense_page_map
+
+PAGE = 64
+
+
+def _simulate_gather(n, seq_pages, history, full_view):
+    """Fill a dense scratch the way the collective does: every rank's pool page q holds
+    the logical page id stored there; rank r's send list goes to block r of a region."""
+    maps = [build_dense_page_map(CpSharedKVLayout(PAGE, n, r), torch.tensor(seq_pages), history)
+            for r in range(n)]
+    ref = maps[0]
+    dense = torch.full((ref.num_dense_pages,), -1, dtype=torch.int64)
+    regions = [("history_region", "history_send", ref.history_pad)]
+    if full_view:
+        regions.append(("current_region", "current_send", ref.current_pad))
+    for region, send, pad in regions:
+        start, _ = getattr(ref, region)
+        for r, m in enumerate(maps):
+            lay = CpSharedKVLayout(PAGE, n, r)
+            # logical page held at each physical page the rank sends (0 for the padding)
+            dense[start + r * pad: start + (r + 1) * pad] = lay.physical_pages_to_logical(getattr(m, send))
+    return maps, dense
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 8), num_pages=st.integers(1, 40), data=st.data())
+def test_gather_fills_every_page_where_the_map_says(n, num_pages, data):
+    # arbitrary distinct logical pages: radix reuse and frees make ownership uneven
+    seq_pages = data.draw(st.lists(st.integers(1, 400), min_size=num_pages, max_size=num_pages, unique=True))
+    history = data.draw(st.integers(0, num_pages))
+    maps, dense = _simulate_gather(n, seq_pages, history, full_view=True)
+    for m in maps:  # every rank computes the same placement and the same sizes
+        assert torch.equal(m.dense_page, maps[0].dense_page)
+        assert (m.history_pad, m.current_pad) == (maps[0].history_pad, maps[0].current_pad)
+    place = maps[0].dense_page
+    assert len(set(place.tolist())) == num_pages  # distinct dense pages
+    assert place.min() >= DENSE_DUMMY_PAGES and place.max() < maps[0].num_dense_pages
+    assert dense[place].tolist() == seq_pages  # each dense page holds the page the map says
+    lo, hi = maps[0].history_region
+    assert all(lo <= p < hi for p in place[:history].tolist())
+    lo, hi = maps[0].current_region
+    assert all(lo <= p < hi for p in place[history:].tolist())
+
+
+def test_block_sizes_are_the_largest_owner_counts():
+    lay = CpSharedKVLayout(PAGE, 4, 0)
+    # pages 1, 5, 9, 13 are all rank 0's: one block of 4, the others padding
+    m = build_dense_page_map(lay, torch.tensor([1, 5, 9, 13, 2, 3]), history_pages=4)
+    assert (m.history_pad, m.current_pad) == (4, 1)
+    assert m.history_send.tolist() == [1, 2, 3, 4]
+    assert m.current_send.tolist() == [0]  # rank 0 owns no current page: it sends page 0
+    assert m.num_dense_pages == 1 + 4 * 4 + 4 * 1
+
+
+def test_balanced_sequence_needs_ceil_pages_over_n():
+    for n in (2, 3, 4, 8):
+        pages = torch.arange(1, 101)
+        m = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), pages, history_pages=60)
+        assert m.history_pad == -(-60 // n) and m.current_pad == -(-40 // n)
+
+
+def test_dense_token_table_and_positions():
+    lay = CpSharedKVLayout(PAGE, 2, 1)
+    m = build_dense_page_map(lay, torch.tensor([7, 8, 3]), history_pages=1)
+    table = m.dense_token_table(seq_len=150, width=160)
+    positions = torch.arange(150)
+    assert torch.equal(table[:150], m.dense_page[positions // PAGE] * PAGE + positions % PAGE)
+    assert table[150:].eq(0).all()
+
+
+def test_no_history_means_no_history_region():
+    m = build_dense_page_map(CpSharedKVLayout(PAGE, 3, 2), torch.tensor([4, 5, 6, 7]), history_pages=0)
+    assert m.history_pad == 0 and m.history_region[0] == m.history_region[1]
+    assert m.history_send.numel() == 0
+
+
+def test_bad_history_count_is_rejected():
+    import pytest
+
+    with pytest.raises(ValueError, match="history_pages"):
+        build_dense_page_map(CpSharedKVLayout(PAGE, 2, 0), torch.tensor([1, 2]), history_pages=3)
