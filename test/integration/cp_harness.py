@@ -129,7 +129,7 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
 
 
 def _init_process(rank: int, n: int, port: int, device: str):
@@ -143,11 +143,11 @@ def _init_process(rank: int, n: int, port: int, device: str):
         torch_standins.install()
     from sglang.srt.distributed import parallel_state as ps
 
-    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=0 if device == "cuda" else rank,
-                                    backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                    timeout=300)
+    local_rank = 0 if device == "cuda" else rank  # on CUDA all ranks share GPU 0
+    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=local_rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=300)
     ps._ATTN_CP = ps.GroupCoordinator(
-        group_ranks=[list(range(n))], local_rank=rank, torch_distributed_backend="gloo",
+        group_ranks=[list(range(n))], local_rank=local_rank, torch_distributed_backend="gloo",
         use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
         use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
         use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=300),
