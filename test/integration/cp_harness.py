@@ -55,6 +55,9 @@ TOPK = 32
 Q_HEADS = 2
 INDEX_HEADS = 2
 MAX_REQS, MAX_LEN = 64, 4096
+# Attention and the reference indexer run for every QUERY_STRIDE-th query token (and the
+# last); the KV rows of *every* position of the sequence are compared regardless.
+QUERY_STRIDE = 4
 DTYPES = {"bf16": (torch.bfloat16, 576), "fp8_e4m3": (torch.float8_e4m3fn, 656)}
 DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 
@@ -291,15 +294,17 @@ class Rig:
                                           act_quant=act_quant)
             Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant)
             k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
-            positions = reference_topk(self._rand(gen, extend_len, INDEX_HEADS, INDEX_DIM),
-                                       self._rand(gen, extend_len, INDEX_HEADS, dtype=torch.float32),
-                                       k_idx, prefix)
+            queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
+                                              torch.tensor([extend_len - 1])])).to(self.device)
+            positions = reference_topk(self._rand(gen, len(queries), INDEX_HEADS, INDEX_DIM),
+                                       self._rand(gen, len(queries), INDEX_HEADS, dtype=torch.float32),
+                                       k_idx, prefix + queries)
             topk_s = transform_topk(positions, be_s.forward_metadata.page_table_1)
             topk_r = transform_topk(positions, be_r.forward_metadata.page_table_1)
             # ---- MLA: store the chunk, read through the top-k, attend
             k_nope = self._rand(gen, rows, 1, KV_LORA_RANK)
             k_rope = self._rand(gen, rows, 1, ROPE_DIM)
-            q = self._rand(gen, extend_len, Q_HEADS, KV_LORA_RANK + ROPE_DIM)
+            q = self._rand(gen, len(queries), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
             save = lid not in full_view_layers
             if not save:  # the chunk was stored earlier by another writer: full-view read
                 self.shared.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
@@ -352,10 +357,18 @@ def stock_forward_extend_inputs(backend, q, k, v, layer, forward_batch, save_kv_
     if save_kv_cache:
         pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
     kv_cache = pool.get_key_buffer(layer.layer_id)
-    rows = _bytes(kv_cache.view(kv_cache.shape[0], -1)[topk_indices.clamp(min=0).long()])  # (T, TOPK, B)
+    kv_rows = kv_cache.view(kv_cache.shape[0], -1)
+    rows = _bytes(kv_rows[topk_indices.clamp(min=0).long()])  # (queries, TOPK, row bytes)
     rows[topk_indices < 0] = 0  # -1 padding selects nothing
-    out = {"topk rows": rows, "attention output": reference_sparse_attention(q, rows, topk_indices, fp8)}
-    flattened = backend.forward_metadata.page_table_1_flattened
+    metadata = backend.forward_metadata
+    seq_len = int(forward_batch.seq_lens_cpu[0])
+    out = {
+        # every row a kernel could reach through the page table
+        "sequence rows": _bytes(kv_rows[metadata.page_table_1[0, :seq_len].long()]),
+        "topk rows": rows,
+        "attention output": reference_sparse_attention(q, rows, topk_indices, fp8),
+    }
+    flattened = metadata.page_table_1_flattened
     if flattened is not None:  # fp8 RAGGED: dequantize_k_cache_paged reads these rows in order
         out["flattened rows"] = _bytes(kv_cache.view(kv_cache.shape[0], -1)[flattened.long()])
     return out
@@ -381,13 +394,13 @@ def reference_sparse_attention(q, rows, topk_indices, fp8):
     return torch.einsum("thk,tkd->thd", probs, kv[..., :KV_LORA_RANK])
 
 
-def reference_topk(q, weights, k_index, prefix):
-    """A torch NSA indexer: logits = sum_h w_h relu(q_h . k); causal top-k positions, -1 padded."""
+def reference_topk(q, weights, k_index, query_positions):
+    """A torch NSA indexer: logits = sum_h w_h relu(q_h . k); causal top-k positions, -1 padded.
+    ``query_positions``: the sequence position of each query row."""
     scores = torch.relu(torch.einsum("thd,sd->ths", q.float(), k_index)) * weights[..., None]
     logits = scores.sum(1)  # (T, S)
-    t = torch.arange(logits.shape[0], device=logits.device)[:, None]
     s = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    logits = logits.masked_fill(s > prefix + t, float("-inf"))
+    logits = logits.masked_fill(s > query_positions[:, None], float("-inf"))
     k = min(TOPK, logits.shape[1])
     values, positions = logits.topk(k, dim=1)
     positions = torch.where(torch.isinf(values), -1, positions)
