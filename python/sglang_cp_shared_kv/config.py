@@ -22,6 +22,11 @@ FLAG_HELP = (
 
 DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 
+#: Test-only: accept ``--disaggregation-mode null`` (one server answering prefill-only
+#: requests, ``max_new_tokens=1``) so end-to-end checks can compare prompt logprobs
+#: with and without the flag. A decode step on such a server fails loudly.
+TESTING_ALLOW_NON_PD_ENV = "SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"
+
 #: NSA runs with 64-token pages on CUDA; the layout and the index buffer assume it.
 REQUIRED_PAGE_SIZE = 64
 
@@ -31,5 +36,13 @@ def is_enabled(server_args) -> bool:
     return bool(getattr(server_args, FLAG_DEST, False))
 
 
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def debug_enabled() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return _env_true(DEBUG_ENV)
+
+
+def testing_non_pd_allowed() -> bool:
+    return _env_true(TESTING_ALLOW_NON_PD_ENV)

@@ -20,7 +20,15 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional
 
-from sglang_cp_shared_kv.config import FLAG, FLAG_DEST, FLAG_HELP, REQUIRED_PAGE_SIZE, is_enabled
+from sglang_cp_shared_kv.config import (
+    FLAG,
+    FLAG_DEST,
+    FLAG_HELP,
+    REQUIRED_PAGE_SIZE,
+    TESTING_ALLOW_NON_PD_ENV,
+    is_enabled,
+    testing_non_pd_allowed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +70,10 @@ def validate_after_stock_checks(result, server_args, *args, **kwargs):
 
         require_hooks_applied("main process")
         validate(server_args)
+        if server_args.disaggregation_mode == "null":
+            logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
+                           "(max_new_tokens=1); any decode step will fail. Never use it in production.",
+                           FLAG, TESTING_ALLOW_NON_PD_ENV)
         logger.info("%s: configuration accepted (attention CP size %d).", FLAG, server_args.attn_cp_size)
     return result
 
@@ -127,19 +139,21 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse(f"--nsa-prefill-backend {prefill_backend}",
                "its KV reads bypass the dense view shared KV materializes; use one of "
                f"{', '.join(SUPPORTED_NSA_PREFILL_BACKENDS)} (the Hopper defaults are supported).")
-    if server_args.disaggregation_mode != "prefill":
+    testing_without_pd = server_args.disaggregation_mode == "null" and testing_non_pd_allowed()
+    if server_args.disaggregation_mode != "prefill" and not testing_without_pd:
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV, so it cannot decode locally; run "
                "this server with --disaggregation-mode prefill and a separate (non-CP) decode server.")
-    if server_args.disaggregation_transfer_backend != "mooncake":
-        refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
-               "the per-rank shard transfer is implemented for Mooncake only; set "
-               "--disaggregation-transfer-backend mooncake.")
-    if not _env_flag(_ALL_CP_RANKS_ENV):
-        refuse(f"{_ALL_CP_RANKS_ENV} is not set",
-               "every CP rank must send its own pages; export "
-               f"{_ALL_CP_RANKS_ENV}=1 on this server and on the decode server (so decode "
-               "waits for a response from every prefill CP rank).")
+    if not testing_without_pd:
+        if server_args.disaggregation_transfer_backend != "mooncake":
+            refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
+                   "the per-rank shard transfer is implemented for Mooncake only; set "
+                   "--disaggregation-transfer-backend mooncake.")
+        if not _env_flag(_ALL_CP_RANKS_ENV):
+            refuse(f"{_ALL_CP_RANKS_ENV} is not set",
+                   "every CP rank must send its own pages; export "
+                   f"{_ALL_CP_RANKS_ENV}=1 on this server and on the decode server (so decode "
+                   "waits for a response from every prefill CP rank).")
     if _env_flag(_STAGING_ENV):
         refuse(f"{_STAGING_ENV}=1", f"the PD staging buffer is not supported with shared KV; unset {_STAGING_ENV}.")
     if server_args.enable_hierarchical_cache:

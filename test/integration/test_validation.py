@@ -96,3 +96,12 @@ def test_flag_off_never_validates(tiny_nsa_model, monkeypatch):
                                           "disaggregation_mode": "null"}, {},
                          {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None}, monkeypatch)
     server_args.check_server_args()  # stock behaviour: nothing of ours is checked
+
+
+def test_testing_switch_allows_a_prefill_only_server_without_pd(tiny_nsa_model, monkeypatch):
+    monkeypatch.setenv("SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD", "1")
+    server_args = _build(tiny_nsa_model, {"disaggregation_mode": "null"}, {},
+                         {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None}, monkeypatch)
+    assert configuration_problems(server_args) == []
+    monkeypatch.delenv("SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD")
+    assert any("--disaggregation-mode null" in p for p in configuration_problems(server_args))

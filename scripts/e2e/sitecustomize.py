@@ -1,0 +1,78 @@
+"""Test-only process setup for scripts/e2e_cp2_logprobs.py (inert unless CPSKV_E2E=1).
+
+Python imports ``sitecustomize`` at start-up from PYTHONPATH, so this also runs in the
+scheduler processes SGLang spawns. It
+
+* makes SGLang's dummy weights non-degenerate: after the stock initializer, norm weights
+  become 1 (biases 0) and every other >= 2-D float parameter N(0, 0.02) from a generator
+  seeded by the parameter's name (every TP shard of a parameter gets the same values);
+* with CPSKV_E2E_CORRUPT_RANK=r, zeroes the first gathered history page of every MLA
+  dense view on CP rank r: the negative control that must land outside the flag-off
+  run-to-run spread.
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import zlib
+
+if os.environ.get("CPSKV_E2E") == "1":
+
+    def _non_degenerate(original):
+        def initialize(model, *args, **kwargs):
+            import torch
+
+            original(model, *args, **kwargs)
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if not torch.is_floating_point(param):
+                        continue
+                    if "norm" in name:
+                        param.fill_(0.0 if name.endswith("bias") else 1.0)
+                    elif param.dim() >= 2:
+                        gen = torch.Generator(device=param.device).manual_seed(zlib.crc32(name.encode()))
+                        values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                        param.copy_(values.normal_(0.0, 0.02, generator=gen).to(param.dtype))
+            print(f"[cpskv-e2e] non-degenerate dummy weights (pid {os.getpid()})", flush=True)
+
+        return initialize
+
+    def _corrupting(original, rank):
+        def materialize_mla(state, pool, layer, chunk):
+            dense = original(state, pool, layer, chunk)
+            start, end = state.page_map.history_region
+            if state.layout.cp_rank == rank and end > start:
+                page = state.layout.page_size
+                dense[start * page: (start + 1) * page] = 0
+            return dense
+
+        return materialize_mla
+
+    _PATCHES = {
+        "sglang.srt.model_loader.weight_utils": lambda m: setattr(
+            m, "initialize_dummy_weights", _non_degenerate(m.initialize_dummy_weights)),
+    }
+    if os.environ.get("CPSKV_E2E_CORRUPT_RANK"):
+        _PATCHES["sglang_cp_shared_kv.materialize"] = lambda m: setattr(
+            m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
+
+    class _PatchAfterImport(importlib.abc.MetaPathFinder):
+        """Patch a module right after it executes, before anything binds its names."""
+
+        def find_spec(self, fullname, path, target=None):
+            if fullname not in _PATCHES:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+            if spec is None or spec.loader is None:
+                return None
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                _PATCHES[fullname](module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, _PatchAfterImport())

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""End to end inside a real SGLang server: prompt logprobs of an NSA CP2 in-seq-split
+prefill server with --enable-nsa-prefill-cp-shared-kv must match the same server
+without it.
+
+Needs two GPUs, sglang 0.5.12.post1 and this plugin installed. It writes a tiny
+DeepSeek-V3.2 config, then launches four servers one after another on the same two
+GPUs, identical but for the flag (same parallel layout, hence the same dummy weights,
+made non-degenerate by scripts/e2e/sitecustomize.py):
+
+  off_a, off_b   flag off, twice: the run-to-run spread
+  on             flag on
+  on_corrupt     flag on, one history page zeroed on CP rank 1 (negative control)
+
+Each answers the same prefill-only requests (max_new_tokens=1, return_logprob,
+logprob_start_len=0; --chunked-prefill-size 2048): a 1.5K prompt (one chunk), 3K and 6K
+prompts (history + current chunks), and a prompt sharing the 3K prompt's first 2,048
+tokens (a radix hit; logprobs of its new tokens). The flag-on server runs with
+SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD=1: it needs no decode server for this.
+
+Pass: positions that see <= index_topk keys are bit-identical on and off (top-k keeps
+every key there); beyond, the flag-on deviation stays within the flag-off spread; the
+negative control lands clearly outside it; the startup logs show the same physical
+tokens per rank and twice the logical tokens. JSON summary on stdout and in --out.
+
+Usage: python scripts/e2e_cp2_logprobs.py --out e2e.json [--kv-cache-dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INDEX_TOPK = 2048
+TINY_DSV32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 2,
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_head_dim": 128,
+    "index_n_heads": 64, "index_topk": INDEX_TOPK, "vocab_size": 8192, "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+}
+RUNS = {  # name: (flag on, corrupt rank)
+    "off_a": (False, None), "off_b": (False, None), "on": (True, None), "on_corrupt": (True, 1),
+}
+
+
+def prompts():
+    import numpy as np
+
+    def tokens(seed, n):
+        return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
+
+    p3k = tokens(2, 3000)
+    return {
+        "1.5k_single_chunk": (tokens(1, 1500), 0),
+        "3k_chunked": (p3k, 0),
+        "6k_chunked": (tokens(3, 6000), 0),
+        "radix_hit_3k_prefix": (p3k[:2048] + tokens(4, 1000), 2048),
+    }
+
+
+def post(port, path, body=None, timeout=600):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", "2", "--enable-nsa-prefill-context-parallel",
+           "--nsa-prefill-cp-mode", "in-seq-split", "--disable-custom-all-reduce", "--page-size", "64",
+           "--mem-fraction-static", "0.5", "--disable-cuda-graph", "--random-seed", "0", "--port", str(port),
+           "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", "2048"]
+    env = dict(os.environ, CPSKV_E2E="1", SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "scripts" / "e2e"), os.environ.get("PYTHONPATH", "")]))
+    if flag_on:
+        cmd.append("--enable-nsa-prefill-cp-shared-kv")
+        env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
+    if corrupt_rank is not None:
+        env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + args.boot_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: server exited with {proc.returncode}; see {log_path}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return proc
+        except OSError:
+            time.sleep(3)
+    stop(proc)
+    raise RuntimeError(f"{name}: server not healthy within {args.boot_timeout}s; see {log_path}")
+
+
+def stop(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def logprobs(port, ids, start):
+    out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    return [x[0] for x in out["meta_info"]["input_token_logprobs"]]
+
+
+def startup_figures(log_text):
+    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
+    shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
+    return {"pool_tokens": sorted({int(x) for x in physical}),
+            "shared": sorted({(int(a), int(b)) for a, b in shared})}
+
+
+def compare(results, run, base, start):
+    """(max |run - base| over positions with <= index_topk keys, and beyond)."""
+    near, far = 0.0, 0.0
+    for i, (a, b) in enumerate(zip(results[run], results[base])):
+        if a is None or b is None:
+            continue
+        keys = start + i  # position of the token whose logprob this is (it sees that many keys)
+        d = abs(a - b)
+        if keys <= INDEX_TOPK:
+            near = max(near, d)
+        else:
+            far = max(far, d)
+    return near, far
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="e2e_cp2_logprobs.json")
+    ap.add_argument("--workdir", default="e2e-work")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16")
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--boot-timeout", type=int, default=420)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    model = work / "tiny-dsv32"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_DSV32))
+    os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    requests = prompts()
+    results, logs, timings = {}, {}, {}
+    for name, (flag_on, corrupt) in RUNS.items():
+        log_path = work / f"{name}.log"
+        t0 = time.monotonic()
+        proc = launch(name, flag_on, corrupt, str(model), args.port, args, log_path)
+        timings[name] = {"boot_s": round(time.monotonic() - t0, 1)}
+        try:
+            for prompt, (ids, start) in requests.items():
+                if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
+                    post(args.port, "/flush_cache")
+                results.setdefault(prompt, {})[name] = logprobs(args.port, ids, start)
+        finally:
+            stop(proc)
+        logs[name] = startup_figures(log_path.read_text())
+    report = {"kv_cache_dtype": args.kv_cache_dtype, "index_topk": INDEX_TOPK, "timings": timings,
+              "startup": logs, "prompts": {}}
+    ok = True
+    for prompt, runs in results.items():
+        start = requests[prompt][1]
+        spread_near, spread_far = compare(runs, "off_b", "off_a", start)
+        on_near, on_far = compare(runs, "on", "off_a", start)
+        bad_near, bad_far = compare(runs, "on_corrupt", "off_a", start)
+        entry = {"positions": len(runs["off_a"]), "spread_near": spread_near, "spread_far": spread_far,
+                 "on_near": on_near, "on_far": on_far, "corrupt_near": bad_near, "corrupt_far": bad_far}
+        entry["pass"] = (on_near == 0.0 and spread_near == 0.0 and on_far <= spread_far
+                         and max(bad_near, bad_far) > 10 * max(spread_far, 1e-3))
+        ok &= entry["pass"]
+        report["prompts"][prompt] = entry
+    off_pool, on = logs["off_a"]["pool_tokens"], logs["on"]["shared"]
+    report["startup_pass"] = bool(on) and all(p in off_pool and l == 2 * p for p, l in on)
+    report["pass"] = ok and report["startup_pass"]
+    text = json.dumps(report, indent=1)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
