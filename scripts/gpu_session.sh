@@ -4,7 +4,8 @@
 #   .gpu-site/site312.tar.xz   ../shared/tools/gpu-site/build.sh .gpu-site   (sglang + server deps)
 #   .wheels/*.whl              pytest & hypothesis wheels for Python 3.12 (see docs/gpu.md)
 # Usage: scripts/gpu_session.sh [pytest args...]   results go to $OUT (default ./gpu-out)
-#   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu); BENCH=0 skips the benchmarks.
+#   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
+#   BENCH=0 skips the benchmarks.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -21,7 +22,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 status=0
-python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
+if [ "${TESTS:-}" != none ]; then
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
+fi
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do
   [ -f "$bench" ] || continue

@@ -26,6 +26,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from sglang_cp_shared_kv import kernels
 from sglang_cp_shared_kv.batch_state import CpSharedBatchState, batch_state_of
 from sglang_cp_shared_kv.config import FLAG
 
@@ -44,7 +45,7 @@ def gather_region(dense_words: torch.Tensor, region: Tuple[int, int], shard_word
     start, end = region
     if end == start:
         return 0
-    packed = shard_words.index_select(0, send_pages)
+    packed = kernels.pack_pages(shard_words, send_pages)
     torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group)
     return (end - start - packed.shape[0]) * packed.shape[1] * 8
 

@@ -114,23 +114,36 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
     # ---------------------------------------------------------------- MLA rows
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
         """Write the rows this rank owns at their physical locations; drop the rest."""
+        from sglang_cp_shared_kv import kernels
         from sglang_cp_shared_kv.writes import owned_rows_of
 
         rows, physical_locs = owned_rows_of(self, loc)
-        if rows.numel():
-            super().set_mla_kv_buffer(layer, physical_locs, cache_k_nope.index_select(0, rows),
-                                      cache_k_rope.index_select(0, rows))
+        if not rows.numel():
+            return
+
+        def stock():
+            super(CpSharedNSATokenToKVPool, self).set_mla_kv_buffer(
+                layer, physical_locs, cache_k_nope.index_select(0, rows), cache_k_rope.index_select(0, rows))
+
+        kernels.store_mla_rows(self.physical_kv_buffer(layer.layer_id), rows, physical_locs, cache_k_nope,
+                               cache_k_rope, packed_fp8=self.nsa_kv_cache_store_fp8, stock=stock)
 
     def store_rows_into(self, buffer: torch.Tensor, layer, locs, cache_k_nope, cache_k_rope) -> None:
-        """SGLang's own MLA store (incl. fp8 quantization) into ``buffer`` at ``locs``: the
-        bytes are exactly those a stock pool would hold for these rows."""
-        index = layer.layer_id - self.start_layer
-        physical = self.kv_buffer[index]
-        self.kv_buffer[index] = buffer
-        try:
-            super().set_mla_kv_buffer(layer, locs, cache_k_nope, cache_k_rope)
-        finally:
-            self.kv_buffer[index] = physical
+        """SGLang's MLA store (incl. fp8 quantization) of every row into ``buffer`` at ``locs``:
+        the bytes are exactly those a stock pool would hold for these rows."""
+        from sglang_cp_shared_kv import kernels
+
+        def stock():
+            index = layer.layer_id - self.start_layer
+            physical = self.kv_buffer[index]
+            self.kv_buffer[index] = buffer  # SGLang's store writes self.kv_buffer[layer]
+            try:
+                super(CpSharedNSATokenToKVPool, self).set_mla_kv_buffer(layer, locs, cache_k_nope, cache_k_rope)
+            finally:
+                self.kv_buffer[index] = physical
+
+        kernels.store_mla_rows(buffer, None, locs, cache_k_nope, cache_k_rope,
+                               packed_fp8=self.nsa_kv_cache_store_fp8, stock=stock)
 
     def get_key_buffer(self, layer_id: int):
         dense = self._view(self._mla_view, layer_id, "the MLA KV")

@@ -47,22 +47,44 @@ def out_cache_loc_as(forward_batch, locs: torch.Tensor):
         forward_batch.out_cache_loc = logical
 
 
+def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_size: int) -> bool:
+    """Whether SGLang's index store takes its fused CUDA path for these dtypes (our kernel
+    reproduces that path's bytes, not the act_quant fallback's)."""
+    if not key.is_cuda:
+        return False
+    flags = (key.dtype, locs.dtype, page_size)
+    if flags not in _FUSED_INDEX_STORE:
+        from sglang.jit_kernel.fused_store_index_cache import can_use_nsa_fused_store
+        from sglang.srt.layers.quantization.fp8_kernel import is_fp8_fnuz
+
+        _FUSED_INDEX_STORE[flags] = not is_fp8_fnuz() and can_use_nsa_fused_store(*flags)
+    return _FUSED_INDEX_STORE[flags]
+
+
+_FUSED_INDEX_STORE: dict = {}
+
+
 def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, key, *args, **kwargs):
     """AROUND ``Indexer._store_index_k_cache``."""
     state = batch_state_of(forward_batch)
     if state is None:
         return original(indexer, forward_batch, layer_id, key, *args, **kwargs)
+    from sglang_cp_shared_kv import kernels
     from sglang_cp_shared_kv.materialize import materialize_index
 
     pool = forward_batch.token_to_kv_pool
+
+    def sglang_store(rows, locs, buffer):
+        def stock():
+            with out_cache_loc_as(forward_batch, locs), pool.index_writes_into(layer_id, buffer):
+                original(indexer, forward_batch, layer_id, key if rows is None else key.index_select(0, rows),
+                         *args, **kwargs)
+
+        if _sglang_uses_fused_index_store(key, locs, pool.page_size):
+            kernels.store_index_rows(buffer, rows, locs, key, stock=stock, page_size=pool.page_size)
+        else:
+            stock()
+
     if state.num_owned_rows:
-        with out_cache_loc_as(forward_batch, state.owned_physical_locs), \
-                pool.index_writes_into(layer_id, pool.physical_index_buffer(layer_id)):
-            original(indexer, forward_batch, layer_id, key.index_select(0, state.owned_rows),
-                     *args, **kwargs)
-
-    def store_chunk_into(dense: torch.Tensor) -> None:
-        with out_cache_loc_as(forward_batch, state.dense_out_locs), pool.index_writes_into(layer_id, dense):
-            original(indexer, forward_batch, layer_id, key, *args, **kwargs)
-
-    materialize_index(state, pool, layer_id, store_chunk_into)
+        sglang_store(state.owned_rows, state.owned_physical_locs, pool.physical_index_buffer(layer_id))
+    materialize_index(state, pool, layer_id, lambda dense: sglang_store(None, state.dense_out_locs, dense))

@@ -219,10 +219,11 @@ class Rig:
     def extend(self, req: Request, extend_len: int, *, full_view_layers=(), pad_rows: int = 0) -> bool:
         """One prefill forward of ``extend_len`` tokens of ``req``; False if out of memory."""
         t = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
+        host = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731 (SGLang's *_cpu arguments)
         prefix = req.seq_len
         last = int(self.req_to_token[req.slot, prefix - 1]) if prefix else -1
-        locs = self.allocator.alloc_extend(t(prefix), t(prefix), t(prefix + extend_len),
-                                           t(prefix + extend_len), t(last), extend_len)
+        locs = self.allocator.alloc_extend(t(prefix), host(prefix), t(prefix + extend_len),
+                                           host(prefix + extend_len), t(last), extend_len)
         if locs is None:
             return False
         self.req_to_token[req.slot, prefix: prefix + extend_len] = locs.to(torch.int32)

@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""Kernel benchmark: each sgl-kernel Triton kernel beside its torch reference and SGLang's
+stock path, at 8K / 32K / 128K tokens and CP sizes N = 2 / 4 / 8. JSON on stdout (or --out).
+
+Per configuration and path: median time (µs, CUDA events, median of --reps after
+--warmup, L2 flushed before every timed run), bytes moved (read + written), GB/s and the
+fraction of the H200's 4.1 TB/s copy bandwidth (and of the copy bandwidth this run
+measured). Paths:
+
+* ``mla_store`` (bf16, fp8) / ``index_store``: ``triton`` = fused store of the 1/N rows
+  this rank owns; ``torch_reference`` = the package's torch reference of the same;
+  ``sglang_owned_rows`` = today's plugin path (``index_select`` + SGLang's store of the
+  owned rows); ``sglang_all_rows`` = SGLang's stock store of the whole chunk (what every
+  rank of a replicated pool does);
+* ``page_pack`` (MLA bf16 / fp8 pages, index pages): ``triton`` vs ``index_select``;
+* ``page_remap`` (page table of every token; top-k indices with -1 padding): ``triton``
+  (inverse built once + remap) vs ``torch_reference`` vs ``sort_searchsorted``, the
+  token-level baseline;
+* ``rerange`` (rows of the latent cache 576 bf16, index key 128 bf16, hidden 7168 bf16):
+  ``triton`` vs ``split_cat`` (SGLang's re-order, as ``cp_all_gather_rerange_output``
+  performs it after its all-gather).
+
+``--dry-run`` runs tiny shapes on the CPU with the torch paths only (timed with
+perf_counter), so CI can prove the script runs.
+
+Usage: python scripts/bench_kernels.py [--dry-run] [--reps 20] [--out kernels.json]
+       python scripts/bench_kernels.py --markdown kernels.json   (tables for docs/performance.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT / "sgl-kernel" / "python", ROOT / "python"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import torch  # noqa: E402
+
+PAGE = 64
+COPY_BANDWIDTH = 4.1e12  # bytes/s: contiguous copy on the H200 (docs/gpu-testing.md: 4,144 GB/s)
+TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
+CP_SIZES = (2, 4, 8)
+DRY_TOKENS = (256, 1024)
+DRY_CP_SIZES = (2, 4)
+
+
+# ---------------------------------------------------------------------- timing
+class Timer:
+    def __init__(self, device, reps, warmup):
+        self.device, self.reps, self.warmup = device, reps, warmup
+        self.cuda = device.type == "cuda"
+        # writing 256 MiB evicts the H200's 50 MiB L2 between timed runs
+        self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if self.cuda else None
+
+    def __call__(self, fn) -> float:
+        """Median µs of ``fn()``."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.reps):
+            if self.cuda:
+                self.flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t) * 1e6)
+        return statistics.median(times)
+
+
+def entry(us, moved_bytes, copy_measured=None):
+    result = {"us": round(us, 2), "bytes": int(moved_bytes),
+              "GBps": round(moved_bytes / us / 1e3, 1) if us > 0 else None,
+              "fraction_of_4_1_TBps": round(moved_bytes / (us * 1e-6) / COPY_BANDWIDTH, 3) if us > 0 else None}
+    if copy_measured:
+        result["fraction_of_measured_copy"] = round(moved_bytes / (us * 1e-6) / copy_measured, 3)
+    return result
+
+
+def measure(timer, paths, moved_bytes, copy_measured):
+    """{path: entry} for every callable path (a string records why a path is absent)."""
+    out = {}
+    for name, fn in paths.items():
+        if isinstance(fn, str):
+            out[name] = {"unavailable": fn}
+            continue
+        bytes_ = moved_bytes[name] if isinstance(moved_bytes, dict) else moved_bytes
+        out[name] = entry(timer(fn), bytes_, copy_measured)
+    return out
+
+
+def copy_bandwidth(timer, device):
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-6)
+
+
+# ------------------------------------------------------------------ SGLang paths
+def sglang_paths():
+    """SGLang's stock store functions, or the reason they cannot be imported here."""
+    found = {}
+    try:
+        from sglang.srt.mem_cache.memory_pool import quantize_k_cache_separate, set_mla_kv_buffer_triton
+        found["mla"] = (set_mla_kv_buffer_triton, quantize_k_cache_separate)
+    except Exception as exc:  # no sglang / sgl_kernel on this machine
+        found["mla"] = f"{type(exc).__name__}: {exc}"
+    try:
+        from sglang.jit_kernel.fused_store_index_cache import can_use_nsa_fused_store, fused_store_index_k_cache
+
+        if not can_use_nsa_fused_store(torch.bfloat16, torch.int64, PAGE):
+            raise RuntimeError("the fused index store JIT kernel does not build here")
+        found["index"] = fused_store_index_k_cache
+    except Exception as exc:
+        found["index"] = f"{type(exc).__name__}: {exc}"
+    return found
+
+
+# ------------------------------------------------------------------- workloads
+def chunk(tokens, n, device, generator):
+    """out_cache_loc of a ``tokens``-row chunk on random logical pages, rank 0's owned rows
+    and their physical locations (as the batch state computes them)."""
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+
+    layout = CpSharedKVLayout(PAGE, n, 0)
+    pages = -(-tokens // PAGE)
+    seq_pages = torch.randperm(4 * pages, generator=generator)[:pages] + 1
+    positions = torch.arange(tokens)
+    out_cache_loc = (seq_pages[positions // PAGE] * PAGE + positions % PAGE).to(device)
+    rows = layout.owned_by_this_rank(out_cache_loc, validate=False).nonzero().squeeze(1)
+    physical = layout.logical_locs_to_physical(out_cache_loc[rows], validate=False)
+    return out_cache_loc, rows, physical, (4 * pages // n + 2) * PAGE
+
+
+def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_measured, dry):
+    out_cache_loc, rows, physical, slots = chunk(tokens, n, device, g)
+    latent = torch.randn(tokens, 576, generator=g).bfloat16().to(device)
+    k_nope, k_rope = latent[:, :512].unsqueeze(1), latent[:, 512:].unsqueeze(1)
+    row_bytes = 656 if packed_fp8 else 1152
+    shard = torch.zeros(slots, 1, row_bytes // (1 if packed_fp8 else 2),
+                        dtype=torch.uint8 if packed_fp8 else torch.bfloat16, device=device)
+    logical_slots = int(out_cache_loc.max()) + PAGE  # a replicated pool holds every row
+    full = torch.zeros(logical_slots, 1, shard.shape[-1], dtype=shard.dtype, device=device) if not dry else None
+    store = K.store_mla_rows_fp8 if packed_fp8 else K.store_mla_rows
+    reference = K.store_mla_rows_fp8_reference if packed_fp8 else K.store_mla_rows_reference
+    owned = rows.numel()
+    paths = {"torch_reference": lambda: reference(shard, rows, physical, k_nope, k_rope)}
+    if not dry:
+        paths["triton"] = lambda: store(shard, rows, physical, k_nope, k_rope)
+        if isinstance(sglang["mla"], str):
+            paths["sglang_owned_rows"] = paths["sglang_all_rows"] = sglang["mla"]
+        else:
+            set_rows, quantize = sglang["mla"]
+
+            def stock(buffer, locs, nope, rope):
+                if packed_fp8:
+                    nope, rope = quantize(nope, rope)
+                set_rows(buffer, locs, nope, rope)
+
+            paths["sglang_owned_rows"] = lambda: stock(shard, physical, k_nope.index_select(0, rows),
+                                                       k_rope.index_select(0, rows))
+            paths["sglang_all_rows"] = lambda: stock(full, out_cache_loc, k_nope, k_rope)
+    moved = {name: owned * (1152 + row_bytes + 16) for name in paths}
+    moved["sglang_all_rows"] = tokens * (1152 + row_bytes + 8)
+    return {"owned_rows": owned, "row_bytes": row_bytes, "paths": measure(timer, paths, moved, copy_measured)}
+
+
+def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry):
+    out_cache_loc, rows, physical, slots = chunk(tokens, n, device, g)
+    key = torch.randn(tokens, 128, generator=g).bfloat16().to(device)
+    shard = torch.zeros(slots // PAGE + 1, PAGE * 132, dtype=torch.uint8, device=device)
+    owned = rows.numel()
+    paths = {"torch_reference": lambda: K.store_index_rows_reference(shard, rows, physical, key)}
+    if not dry:
+        full = torch.zeros(int(out_cache_loc.max()) // PAGE + 1, PAGE * 132, dtype=torch.uint8, device=device)
+        paths["triton"] = lambda: K.store_index_rows(shard, rows, physical, key)
+        if isinstance(sglang["index"], str):
+            paths["sglang_owned_rows"] = paths["sglang_all_rows"] = sglang["index"]
+        else:
+            jit = sglang["index"]
+            paths["sglang_owned_rows"] = lambda: jit(key.index_select(0, rows), shard, physical, PAGE)
+            paths["sglang_all_rows"] = lambda: jit(key, full, out_cache_loc, PAGE)
+    moved = {name: owned * (256 + 132 + 16) for name in paths}
+    moved["sglang_all_rows"] = tokens * (256 + 132 + 8)
+    return {"owned_rows": owned, "paths": measure(timer, paths, moved, copy_measured)}
+
+
+PAGE_KINDS = {"mla_bf16": PAGE * 1152, "mla_fp8": PAGE * 656, "index": PAGE * 132}
+
+
+def bench_pack(K, timer, tokens, n, page_bytes, device, g, copy_measured, dry):
+    pages = -(-tokens // PAGE)
+    send = -(-pages // n)
+    shard_pages = 4 * send + 1
+    shard = torch.randint(-2**62, 2**62, (shard_pages, page_bytes // 8), dtype=torch.int64, generator=g).to(device)
+    send_pages = (torch.randperm(shard_pages - 1, generator=g)[:send] + 1).to(device)
+    out = torch.empty(send, page_bytes // 8, dtype=torch.int64, device=device)
+    paths = {"index_select": lambda: torch.index_select(shard, 0, send_pages, out=out)}
+    if not dry:
+        paths["triton"] = lambda: K.pack_pages(shard, send_pages, out=out)
+    return {"send_pages": send, "send_MB": round(send * page_bytes / 1e6, 2),
+            "paths": measure(timer, paths, 2 * send * page_bytes, copy_measured)}
+
+
+def sort_searchsorted_remap(seq_pages, dense_page, locs):
+    """The token-level baseline: find each location's page among the sequence's pages."""
+    sorted_pages, order = torch.sort(seq_pages)
+    logical = locs.long()
+    index = torch.searchsorted(sorted_pages, (logical // PAGE).clamp_min(0)).clamp_max(seq_pages.numel() - 1)
+    dense = dense_page[order[index]]
+    return torch.where(logical < 0, logical, dense * PAGE + logical % PAGE).to(locs.dtype)
+
+
+def bench_remap(K, timer, tokens, n, device, g, copy_measured, dry):
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
+
+    pages = -(-tokens // PAGE)
+    logical_pages = 4 * pages * n
+    seq_pages = (torch.randperm(logical_pages - 1, generator=g)[:pages] + 1).to(device)
+    page_map = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), seq_pages, history_pages=pages // 2)
+    dense_page = page_map.dense_page
+    positions = torch.arange(tokens, device=device)
+    page_table = (seq_pages[positions // PAGE] * PAGE + positions % PAGE).to(torch.int32)
+    queries = min(tokens, 8 if dry else 4096)
+    topk = page_table[torch.randint(0, tokens, (queries, 2048), generator=g).to(device)]
+    topk[:, -(2048 // 4):] = -1
+    inverse = torch.empty(logical_pages, dtype=torch.int32, device=device)
+    results = {}
+    for name, locs in (("page_table", page_table), ("topk_indices", topk)):
+        out = torch.empty_like(locs)
+        paths = {
+            "torch_reference": lambda locs=locs, out=out: K.remap_locs_reference(
+                locs, K.build_page_inverse_reference(seq_pages, dense_page, logical_pages, out=inverse),
+                PAGE, out=out),
+            "sort_searchsorted": lambda locs=locs: sort_searchsorted_remap(seq_pages, dense_page, locs),
+        }
+        if not dry:
+            paths["triton"] = lambda locs=locs, out=out: K.remap_locs(
+                locs, K.build_page_inverse(seq_pages, dense_page, logical_pages, out=inverse), PAGE, out=out)
+            paths["triton_remap_only"] = lambda locs=locs, out=out: K.remap_locs(locs, inverse, PAGE, out=out)
+        moved = locs.numel() * 2 * locs.element_size()
+        results[name] = {"entries": locs.numel(), "paths": measure(timer, paths, moved, copy_measured)}
+        if "triton" in paths and "sort_searchsorted" in results[name]["paths"]:
+            ours, theirs = results[name]["paths"]["triton"]["us"], results[name]["paths"]["sort_searchsorted"]["us"]
+            results[name]["speedup_vs_sort_searchsorted"] = round(theirs / ours, 1)
+    return results
+
+
+ROW_KINDS = {"latent_576_bf16": 576, "index_key_128_bf16": 128, "hidden_7168_bf16": 7168}
+
+
+def bench_rerange(K, timer, tokens, n, width, device, copy_measured, dry):
+    q, extra = divmod(tokens, 2 * n)
+    blocks = [q + (j < extra) for j in range(2 * n)]
+    max_len = -(-tokens // n)
+    lists = ([max_len] * n, [blocks[r] + blocks[2 * n - 1 - r] for r in range(n)],
+             [blocks[j] for r in range(n) for j in (r, 2 * n - 1 - r)],
+             [2 * r for r in range(n)] + [2 * (n - 1 - r) + 1 for r in range(n)])
+    gathered = torch.randn(n * max_len, width, device=device).bfloat16()
+    paths = {"split_cat": lambda: K.rerange_in_seq_reference(gathered, *lists)}
+    if not dry:
+        segments = K.in_seq_segments(*lists)
+        table = K.segment_table(segments, device)
+        longest = max(rows for *_, rows in segments)
+        out = torch.empty(tokens, width, dtype=gathered.dtype, device=device)
+        paths["triton"] = lambda: K.rerange_rows(gathered, table, longest, tokens, out=out)
+    result = {"paths": measure(timer, paths, 2 * tokens * width * 2, copy_measured)}
+    if "triton" in paths:
+        result["speedup_vs_split_cat"] = round(result["paths"]["split_cat"]["us"] / result["paths"]["triton"]["us"], 2)
+    return result
+
+
+# -------------------------------------------------------------------- markdown
+def _cell(path):
+    if path is None:
+        return "–"
+    if "unavailable" in path:
+        return "n/a"
+    return f"{path['us']:.1f} ({100 * path['fraction_of_4_1_TBps']:.0f}%)"
+
+
+def _table(title, rows, columns, extra=None):
+    head = ["tokens", "N", *columns] + ([extra[0]] if extra else [])
+    lines = [f"**{title}** — µs (share of 4.1 TB/s on the bytes each path moves)", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for tokens, n, result in rows:
+        cells = [f"{tokens // 1024}K" if tokens >= 1024 else str(tokens), str(n)]
+        cells += [_cell(result["paths"].get(c)) for c in columns]
+        if extra:
+            cells.append(str(result.get(extra[1], "–")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(report) -> str:
+    """The benchmark's tables, as docs/performance.md shows them."""
+    results = report["results"]
+    clock = "perf_counter, dry run" if report["dry_run"] else "CUDA events, L2 flushed"
+    out = [f"Device: {report['device']}; median of {report['reps']} runs ({clock}); "
+           f"measured copy bandwidth {report['copy_bandwidth_measured_GBps']} GB/s.\n"]
+    store_paths = ["triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows"]
+    for kernel in ("mla_store_bf16", "mla_store_fp8", "index_store"):
+        out.append(_table(kernel, [(r["tokens"], r["cp_size"], r[kernel]) for r in results], store_paths))
+    for kind in PAGE_KINDS:
+        out.append(_table(f"page_pack {kind}", [(r["tokens"], r["cp_size"], r["page_pack"][kind]) for r in results],
+                          ["triton", "index_select"], ("MB sent", "send_MB")))
+    for table in ("page_table", "topk_indices"):
+        out.append(_table(f"page_remap {table}", [(r["tokens"], r["cp_size"], r["page_remap"][table]) for r in results],
+                          ["triton", "triton_remap_only", "torch_reference", "sort_searchsorted"],
+                          ("× vs sort+searchsorted", "speedup_vs_sort_searchsorted")))
+    for kind in ROW_KINDS:
+        out.append(_table(f"rerange {kind}", [(r["tokens"], r["cp_size"], r["rerange"][kind]) for r in results],
+                          ["triton", "split_cat"], ("× vs split/cat", "speedup_vs_split_cat")))
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------------ main
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, torch paths only, CPU")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="write the JSON here instead of stdout")
+    parser.add_argument("--markdown", type=Path, metavar="JSON", help="print the tables of a finished run")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        print(render_markdown(json.loads(args.markdown.read_text())))
+        return
+
+    import sglang_cp_shared_kv_kernel as K
+
+    dry = args.dry_run
+    if dry:
+        torch.set_num_threads(1)  # CI proves the script runs; threads only contend there
+    device = torch.device("cpu" if dry else "cuda")
+    if not dry and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --dry-run")
+    reps, warmup = (3, 1) if dry else (max(args.reps, 20), args.warmup)
+    timer = Timer(device, reps, warmup)
+    g = torch.Generator().manual_seed(0)
+    copy_measured = copy_bandwidth(timer, device)
+    sglang = {"mla": "dry run", "index": "dry run"} if dry else sglang_paths()
+    tokens_list, cp_sizes = (DRY_TOKENS, DRY_CP_SIZES) if dry else (TOKENS, CP_SIZES)
+
+    results = []
+    for tokens in tokens_list:
+        for n in cp_sizes:
+            row = {"tokens": tokens, "cp_size": n}
+            row["mla_store_bf16"] = bench_mla_store(K, timer, sglang, tokens, n, False, device, g, copy_measured, dry)
+            row["mla_store_fp8"] = bench_mla_store(K, timer, sglang, tokens, n, True, device, g, copy_measured, dry)
+            row["index_store"] = bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry)
+            row["page_pack"] = {kind: bench_pack(K, timer, tokens, n, page_bytes, device, g, copy_measured, dry)
+                                for kind, page_bytes in PAGE_KINDS.items()}
+            row["page_remap"] = bench_remap(K, timer, tokens, n, device, g, copy_measured, dry)
+            row["rerange"] = {kind: bench_rerange(K, timer, tokens, n, width, device, copy_measured, dry)
+                              for kind, width in ROW_KINDS.items()}
+            results.append(row)
+            print(f"done: {tokens} tokens, N={n}", file=sys.stderr)
+
+    report = {
+        "dry_run": dry,
+        "device": torch.cuda.get_device_name() if not dry else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "reps": reps, "warmup": warmup, "statistic": "median",
+        "copy_bandwidth_reference_GBps": COPY_BANDWIDTH / 1e9,
+        "copy_bandwidth_measured_GBps": round(copy_measured / 1e9, 1) if copy_measured else None,
+        "sglang_stock_paths": {k: ("available" if not isinstance(v, str) else v) for k, v in sglang.items()},
+        "results": results,
+    }
+    text = json.dumps(report, indent=1)
+    if args.out:
+        args.out.write_text(text + "\n")
+    else:
+        print(text)
+
+
+if __name__ == "__main__":
+    main()
