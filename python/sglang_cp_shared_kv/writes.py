@@ -1,13 +1,14 @@
 """Owner-only KV and index writes: a rank stores only the rows of the pages it owns.
 
 * MLA latent rows: ``CpSharedNSATokenToKVPool.set_mla_kv_buffer`` (every CUDA writer
-  goes through it) keeps the owned rows via :func:`owned_rows_of` and hands them to
-  SGLang's own store at physical locations.
+  goes through it) keeps the owned rows via :func:`owned_rows_of` and stores them at
+  physical locations with the fused owner-store kernel, or SGLang's own store.
 * NSA index K/scale: ``Indexer._store_index_k_cache`` AROUND
-  (:func:`store_index_k_owned_and_dense`) runs SGLang's store (fused JIT, aiter or
-  fallback; whichever it picks) once on the owned rows at physical locations, then
-  builds the layer's dense index view for the reads that follow
-  (:func:`materialize.materialize_index`).
+  (:func:`store_index_k_owned_and_dense`) stores the owned rows at physical locations,
+  then builds the layer's dense index view for the reads that follow
+  (:func:`materialize.materialize_index`). Both stores use the fused kernel where SGLang
+  itself would take its fused CUDA path (the kernel reproduces that path's bytes), and
+  SGLang's store (fused JIT, aiter or fallback; whichever it picks) otherwise.
 
 Rows on the dummy page 0 (SGLang's padding) have no owner and are never written.
 """
@@ -47,6 +48,9 @@ def out_cache_loc_as(forward_batch, locs: torch.Tensor):
         forward_batch.out_cache_loc = logical
 
 
+_FUSED_INDEX_STORE: dict = {}  # (key dtype, location dtype, page size) -> SGLang takes its fused path
+
+
 def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_size: int) -> bool:
     """Whether SGLang's index store takes its fused CUDA path for these dtypes (our kernel
     reproduces that path's bytes, not the act_quant fallback's)."""
@@ -59,9 +63,6 @@ def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_s
 
         _FUSED_INDEX_STORE[flags] = not is_fp8_fnuz() and can_use_nsa_fused_store(*flags)
     return _FUSED_INDEX_STORE[flags]
-
-
-_FUSED_INDEX_STORE: dict = {}
 
 
 def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, key, *args, **kwargs):
