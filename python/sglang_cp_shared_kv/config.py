@@ -3,7 +3,9 @@
 * the CLI flag ``--enable-nsa-prefill-cp-shared-kv`` (``ServerArgs`` attribute
   ``enable_nsa_prefill_cp_shared_kv``) turns the feature on; nothing else does;
 * ``SGLANG_DEBUG_CP_SHARED_KV=1`` turns on CUDA-syncing invariant checks and the
-  debug-level logs; off by default and off for performance measurement.
+  debug-level logs; off by default and off for performance measurement;
+* ``SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS`` tunes the PD transfer batch size;
+* ``SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD`` is for end-to-end tests only.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 #: requests, ``max_new_tokens=1``) so end-to-end checks can compare prompt logprobs
 #: with and without the flag. A decode step on such a server fails loudly.
 TESTING_ALLOW_NON_PD_ENV = "SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"
+
+#: Mooncake descriptors per PD transfer batch (``transfer.py``): the default, capped by
+#: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when that is set lower, keeps every batch
+#: under the TCP lane's queue (2,048 entries by default).
+TRANSFER_BATCH_DESCRIPTORS_ENV = "SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS"
+DEFAULT_TRANSFER_BATCH_DESCRIPTORS = 1024
 
 #: NSA runs with 64-token pages on CUDA; the layout and the index buffer assume it.
 REQUIRED_PAGE_SIZE = 64

@@ -9,6 +9,7 @@ is set. With the flag on, startup verifies that every hook below is in place
 from __future__ import annotations
 
 from sglang_cp_shared_kv import batch_state, capacity, materialize, metrics, server_args, writes
+from sglang_cp_shared_kv import transfer
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
@@ -32,6 +33,15 @@ HOOKS = (
     HookSpec(f"{_INDEXER}._store_index_k_cache", writes.store_index_k_owned_and_dense, "around"),
     HookSpec(f"{_NSA_BACKEND}.forward_extend", materialize.forward_extend_on_dense_view, "around"),
     # --- PD transfer of each rank's shard
+    HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.sync_status_to_decode_endpoint", transfer.report_failure_cause_to_decode, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
+    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
 )
 
 

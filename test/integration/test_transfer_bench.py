@@ -1,0 +1,40 @@
+"""scripts/bench_pd_transfer.py builds the request it claims to (no processes started)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_pd_transfer", ROOT / "scripts" / "bench_pd_transfer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_glm5_request_plan():
+    bench = load_bench()
+    args = bench.parse_args([])
+    geometry = bench.rig.model_geometry(bench.config_path(args.model_config), args.kv_cache_dtype)
+    assert (geometry.layers, geometry.kv_cache_dim, geometry.kv_page_bytes, geometry.index_page_bytes) == (
+        78, 656, 64 * 656, 64 * 132)
+    pages = 32768 // 64
+    for n in (1, 2, 4):
+        plan = bench.plan_for(n, geometry, pages, args)
+        instance = plan["instances"]["X"]
+        assert instance["shared"] == (n > 1) and instance["procs"] == [f"P{i}" for i in range(n)]
+        assert instance["physical_pages"] == (pages if n == 1 else pages // n)
+        assert [r["chunk_ends"] for r in plan["rooms"]] == [[8192, 16384, 24576, 32768]] * (args.repeats + 1)
+        assert plan["decode"]["pages"] >= pages
+
+
+def test_replicated_descriptor_count_is_sglangs_grouping():
+    bench = load_bench()
+    contiguous = np.arange(1, 513)
+    assert bench.replicated_descriptors(512, [8192, 16384, 24576, 32768], 78, contiguous) == (4 * 78, 78)
+    every_other = 2 * np.arange(1, 513)  # no two destination pages adjacent
+    kv, state = bench.replicated_descriptors(512, [8192, 16384, 24576, 32768], 78, every_other)
+    assert kv == state == 512 * 78

@@ -1,0 +1,305 @@
+"""PD transfer of CP shards, end to end over the real Mooncake engine on 127.0.0.1.
+
+One run of :mod:`mooncake_pd_rig` (module fixture) starts six processes: four prefill
+processes P0..P3, process P hosting CP rank i of every instance that has one (shared KV
+S2/S3/S4 with the plugin's physical pool; replicated R2/R3/R4, flag off, SGLang's stock
+CP transfer), one more prefill process L1 whose Mooncake TCP lane is forced low, and
+one decode process with a stock full-layout NSA pool. Requests run one after another
+through SGLang's own bootstrap server, ``MooncakeKVManager``, ``MooncakeKVSender`` (driven
+by the real ``send_kv_chunk``) and ``MooncakeKVReceiver``; decode checks every byte it
+received against the request's content. The tests below read that run's results.
+
+Requests (each shared-KV one also sent by R1, a replicated prefill without CP, and, where
+SGLang's stock CP split can take it, by R2/R3/R4): one chunk; four chunks (one ending
+mid-page); a decode-side prefix hit (7 pages cached on decode); chunks of one page, so all
+ranks but one own nothing of them; a 2-page request on N = 3, 4 (ranks that own nothing at
+all); 80 pages x 61 layers on N = 2 (2,440 descriptors per rank per write). Failures: decode
+preallocates fewer pages than the request has (rejected before enqueueing); on the low lane,
+batches sized to it pass, an index write it rejects and a KV write it rejects fail the
+request on both sides with the cause; prefill rank 3 of S4 SIGKILLs itself after its first
+chunk was written (decode fails within its waiting timeout, no hang).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+mooncake_engine = pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+
+import mooncake_pd_rig as rig  # noqa: E402
+
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
+from sglang_cp_shared_kv.transfer import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
+
+PAGE = rig.PAGE
+LAYERS = rig.TEST_GEOMETRY.layers
+LANE_LIMIT = 64  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and ..._PENDING_ADMISSIONS_... in L1
+KILL_TIMEOUT_S = 6  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT for the killed-rank request
+MAIN_PROCS = ["P0", "P1", "P2", "P3"]
+
+# (name, seq_len, chunk ends, decode prefix pages, logical page order, decode page order)
+SCENARIOS = [
+    ("one-chunk", 600, [600], 0, "contiguous", "scattered"),
+    ("chunks", 1500, [512, 1000, 1280, 1500], 0, "shuffled", "contiguous"),
+    ("decode-prefix", 1300, [704, 1088, 1300], 7, "shuffled", "scattered"),
+    ("rank-owns-nothing-in-a-chunk", 1000, [64, 128, 320, 1000], 0, "contiguous", "contiguous"),
+    ("rank-owns-nothing-at-all", 100, [100], 0, "contiguous", "scattered"),
+]
+BIG = ("above-2048-descriptors", 80 * PAGE, [80 * PAGE], 0, "contiguous", "contiguous")
+
+
+def _pages(seq_len):
+    return math.ceil(seq_len / PAGE)
+
+
+def build_plan():
+    rng = np.random.default_rng(20240611)
+    port = rig.free_port
+    instances = {
+        # the reference: a replicated prefill without CP, one sender (flag off)
+        "R1": dict(cp_size=1, shared=False, bootstrap_port=port(), procs=["P0"], physical_pages=96),
+    }
+    for n in (2, 3, 4):
+        physical = 48 if n == 2 else 16 if n == 3 else 12
+        instances[f"S{n}"] = dict(cp_size=n, shared=True, bootstrap_port=port(), procs=MAIN_PROCS[:n],
+                                  physical_pages=physical)
+        instances[f"R{n}"] = dict(cp_size=n, shared=False, bootstrap_port=port(), procs=MAIN_PROCS[:n],
+                                  physical_pages=physical * n)
+    # L1 runs Mooncake with a 64-entry lane. LB sizes its batches to it (the default, read
+    # from MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER); LA is told to use 1,024-descriptor batches.
+    instances["LB"] = dict(cp_size=2, shared=True, bootstrap_port=port(), procs=["P0", "L1"], physical_pages=32)
+    instances["LA"] = dict(cp_size=2, shared=True, bootstrap_port=port(), procs=["P0", "L1"], physical_pages=32,
+                           max_descriptors=DEFAULT_MAX_DESCRIPTORS_PER_BATCH)
+    rooms = []
+
+    def add(name, instance, seq_len, ends, prefix, logical, dst_order, seed, **extra):
+        rooms.append(dict(room=10_000 + len(rooms), name=name, instance=instance, seq_len=seq_len,
+                          logical_pages=[int(p) for p in logical], chunk_ends=ends, decode_prefix_pages=prefix,
+                          dst_order=dst_order, seed=seed, first_token=1000 + len(rooms),
+                          aux_slot=len(rooms) % 8, **extra))
+
+    for i, (name, seq_len, ends, prefix, order, dst_order) in enumerate(SCENARIOS + [BIG]):
+        count = _pages(seq_len)
+        # Shuffled pages stay inside every shared instance's logical range (<= 48).
+        logical = (np.arange(1, count + 1) if order == "contiguous"
+                   else rng.choice(np.arange(1, 49), size=count, replace=False))
+        seed = 100 + i
+        add(f"{name}/R1", "R1", seq_len, ends, prefix, logical, dst_order, seed, pair=name)
+        for n in (2, 3, 4):
+            if (name == "rank-owns-nothing-at-all" and n == 2) or (name == BIG[0] and n != 2):
+                continue
+            add(f"{name}/S{n}", f"S{n}", seq_len, ends, prefix, logical, dst_order, seed, pair=name)
+            # SGLang's stock CP split assumes a request's page ids are contiguous (it drops
+            # pages otherwise; see docs/transfer.md), so the flag-off CP runs use those.
+            if order == "contiguous":
+                add(f"{name}/R{n}", f"R{n}", seq_len, ends, prefix, logical, dst_order, seed, pair=name)
+    add("decode-preallocated-too-few-pages/S2", "S2", 20 * PAGE, [20 * PAGE], 0, np.arange(1, 21), "contiguous",
+        8, decode_short_by=2, expect="failed")
+    # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
+    # 64-entry lane) and its index batch 26 pages x 61 layers.
+    lane_pages = np.arange(1, 53)
+    add("lane-low-batches-sized/LB", "LB", 52 * PAGE, [52 * PAGE], 50, lane_pages, "contiguous", 9)
+    add("lane-low-index-write-rejected/LA", "LA", 52 * PAGE, [52 * PAGE], 50, lane_pages, "contiguous", 9,
+        expect="failed")
+    # No decode prefix: the KV batch itself (26 pages x 61 layers) exceeds the lane.
+    add("lane-low-kv-write-rejected/LA", "LA", 52 * PAGE, [52 * PAGE], 0, lane_pages, "contiguous", 9,
+        expect="failed")
+    add("prefill-rank-killed/S4", "S4", 2000, [640, 1280, 2000], 0, np.arange(1, 33), "scattered", 10,
+        expect="failed", kill={"proc": "P3", "after_chunks": 1}, decode_waiting_timeout=KILL_TIMEOUT_S)
+
+    lane_env = {"MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": str(LANE_LIMIT),
+                "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": str(LANE_LIMIT)}
+    processes = {p: {"role": "prefill"} for p in MAIN_PROCS}
+    processes["L1"] = {"role": "prefill", "env": lane_env}
+    processes["D"] = {"role": "decode"}
+    return dict(geometry=asdict(rig.TEST_GEOMETRY), max_seq_len=8192, instances=instances, processes=processes,
+                decode={"proc": "D", "pages": 400}, rooms=rooms)
+
+
+@pytest.fixture(scope="module")
+def pd_run(tmp_path_factory):
+    plan = build_plan()
+    run = rig.run_plan(plan, tmp_path_factory.mktemp("mooncake-pd"), deadline_s=420)
+    run["plan"] = plan
+    run["by_name"] = {room["name"]: room for room in plan["rooms"]}
+    return run
+
+
+def _decode(run, name):
+    room = run["by_name"][name]
+    return run["results"]["D"]["rooms"][str(room["room"])]
+
+
+def _ranks(run, name):
+    """{cp_rank: the prefill result of that rank} for one room."""
+    room = run["by_name"][name]
+    procs = run["plan"]["instances"][room["instance"]]["procs"]
+    out = {}
+    for rank, proc in enumerate(procs):
+        result = run["results"].get(proc)
+        out[rank] = None if result is None else result["rooms"].get(str(room["room"]))
+    return out
+
+
+def _context(run, name):
+    return f"room {name}: decode {_decode(run, name)}\n" + rig.log_tails(run)
+
+
+def _main_room_names(run):
+    return [r["name"] for r in run["plan"]["rooms"] if r.get("expect", "success") == "success"]
+
+
+def test_every_process_ran_its_rooms(pd_run):
+    codes = dict(pd_run["returncodes"])
+    assert codes.pop("P3") == -9, rig.log_tails(pd_run)  # killed mid-transfer, by design
+    assert all(code == 0 for code in codes.values()), rig.log_tails(pd_run)
+    for proc, result in pd_run["results"].items():
+        assert result is not None and "error" not in result, rig.log_tails(pd_run)
+        assert all(r["status"] != "error" for r in result["rooms"].values()), (proc, result["rooms"])
+
+
+def test_decode_receives_what_a_replicated_prefill_sends(pd_run):
+    """Every byte decode received (MLA KV after the decode prefix, NSA index over the
+    whole sequence, aux) equals the request's content, and the shard transfer's bytes
+    equal SGLang's stock replicated CP transfer of the same request, for N = 2, 3, 4."""
+    digests = {}
+    for name in _main_room_names(pd_run):
+        decode = _decode(pd_run, name)
+        assert decode["status"] == "success", _context(pd_run, name)
+        assert decode["verified"], (name, decode["problems"])
+        room = pd_run["by_name"][name]
+        if "pair" in room:
+            digests.setdefault(room["pair"], {})[room["instance"]] = decode["digest"]
+    assert sorted(digests) == sorted(s[0] for s in SCENARIOS + [BIG])
+    for scenario, by_instance in digests.items():
+        assert "R1" in by_instance and any(i.startswith("S") for i in by_instance), scenario
+        reference = by_instance.pop("R1")
+        assert all(d == reference for d in by_instance.values()), (
+            f"{scenario}: these instances delivered other bytes than the replicated prefill: "
+            f"{sorted(i for i, d in by_instance.items() if d != reference)}")
+
+
+def test_each_rank_sends_exactly_the_pages_it_owns(pd_run):
+    for name in _main_room_names(pd_run):
+        room = pd_run["by_name"][name]
+        instance = pd_run["plan"]["instances"][room["instance"]]
+        if not instance["shared"]:
+            continue
+        n = instance["cp_size"]
+        logical = np.asarray(room["logical_pages"])
+        prefix = room["decode_prefix_pages"]
+        kv_total = state_total = 0
+        for rank, result in _ranks(pd_run, name).items():
+            assert result is not None and result["status"] == "success", _context(pd_run, name)
+            owned = CpSharedKVLayout(PAGE, n, rank).owned_pages_mask_np(logical)
+            stats = result["stats"]
+            assert stats["kv_pages"] == int(owned[prefix:].sum()), (name, rank, stats)
+            assert stats["state_pages"] == int(owned.sum()), (name, rank, stats)
+            assert stats["rejected_requests"] == stats["failed_writes"] == 0
+            # a rank that owns nothing of the request still completed it (aux), as decode saw
+            assert result["chunks"] and result["chunks"][-1]["last"], (name, rank)
+            kv_total += stats["kv_pages"]
+            state_total += stats["state_pages"]
+            # pages owned by one rank are never contiguous on decode: one descriptor per page and layer
+            assert stats["kv_descriptors"] <= stats["kv_pages"] * LAYERS
+        assert kv_total == len(logical) - prefix and state_total == len(logical), name
+
+
+def test_a_rank_that_owns_nothing_still_completes(pd_run):
+    for n in (2, 3, 4):
+        name = f"rank-owns-nothing-in-a-chunk/S{n}"
+        ranks = _ranks(pd_run, name)
+        first_chunk = {rank: r["chunks"][0] for rank, r in ranks.items()}
+        assert sorted(c["owned_pages"] for c in first_chunk.values()) == [0] * (n - 1) + [1], first_chunk
+        assert all(r["status"] == "success" for r in ranks.values())
+    for n in (3, 4):
+        ranks = _ranks(pd_run, f"rank-owns-nothing-at-all/S{n}")
+        idle = [r for r in ranks.values() if r["stats"]["kv_pages"] == 0 and r["stats"]["state_pages"] == 0]
+        assert len(idle) == n - 2 and all(r["status"] == "success" for r in ranks.values())
+
+
+def test_request_above_the_lane_limit_is_sent_in_bounded_batches(pd_run):
+    name = "above-2048-descriptors/S2"
+    for rank, result in _ranks(pd_run, name).items():
+        stats = result["stats"]
+        assert result["status"] == "success", _context(pd_run, name)
+        assert stats["kv_descriptors"] > 2048 and stats["state_descriptors"] > 2048, stats
+        assert stats["write_descriptors"] >= stats["kv_descriptors"] + stats["state_descriptors"]
+        assert stats["write_batches"] >= 6  # each of the two writes split into >= 3 batches
+        assert stats["write_descriptors"] <= stats["write_batches"] * DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+
+
+def test_flag_off_keeps_the_stock_cp_transfer(pd_run):
+    """Replicated instances run with the plugin's hooks installed and the flag off: the
+    hooks pass through (no shard state is created) and SGLang's contiguous per-rank split
+    delivers the request."""
+    flag_off = [n for n in _main_room_names(pd_run)
+                if not pd_run["plan"]["instances"][pd_run["by_name"][n]["instance"]]["shared"]]
+    assert {pd_run["by_name"][n]["instance"] for n in flag_off} == {"R1", "R2", "R3", "R4"}
+    for name in flag_off:
+        for rank, result in _ranks(pd_run, name).items():
+            assert result["status"] == "success", _context(pd_run, name)
+            assert "stats" not in result, "a flag-off manager grew shard-transfer state"
+
+
+def test_positions_outside_decode_pages_are_rejected_before_enqueueing(pd_run):
+    name = "decode-preallocated-too-few-pages/S2"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and decode["elapsed_s"] < 10, _context(pd_run, name)
+    assert "outside the 18 pages decode" in decode["error"], decode
+    for rank, result in _ranks(pd_run, name).items():
+        assert result["status"] == "failed" and "rejected room" in result["error"], result
+        assert result["stats"]["rejected_requests"] == 1 and result["stats"]["write_batches"] <= 1
+
+
+def test_lane_limit_sized_batches_pass(pd_run):
+    name = "lane-low-batches-sized/LB"
+    assert _decode(pd_run, name)["status"] == "success", _context(pd_run, name)
+    assert _decode(pd_run, name)["verified"]
+    lane_rank = _ranks(pd_run, name)[1]["stats"]
+    assert lane_rank["write_descriptors"] <= lane_rank["write_batches"] * LANE_LIMIT
+
+
+def test_index_write_rejected_by_the_lane_fails_the_request_on_both_sides(pd_run):
+    """SGLang ignores maybe_send_extra's result; under the flag the failed index write
+    fails the request promptly, with the cause, on prefill and decode."""
+    name = "lane-low-index-write-rejected/LA"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and decode["elapsed_s"] < 10, _context(pd_run, name)
+    assert "writing the NSA index state" in decode["error"], decode
+    assert "batch_transfer_sync_write returned" in decode["error"], decode
+    lane_rank = _ranks(pd_run, name)[1]
+    assert lane_rank["status"] == "failed", lane_rank
+    assert "writing the NSA index state" in lane_rank["error"] and "returned -1" in lane_rank["error"]
+    assert lane_rank["stats"]["failed_state_writes"] == 1
+
+
+def test_kv_write_failure_names_its_cause_on_both_sides(pd_run):
+    """A KV batch the lane rejects fails on SGLang's own path (which reports it); the
+    plugin adds the cause to both sides' messages."""
+    name = "lane-low-kv-write-rejected/LA"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and decode["elapsed_s"] < 10, _context(pd_run, name)
+    lane_rank = _ranks(pd_run, name)[1]
+    assert lane_rank["status"] == "failed", lane_rank
+    assert "Failed to send kv chunk" in lane_rank["error"] and "batch_transfer_sync_write" in lane_rank["error"]
+    assert "batch_transfer_sync_write" in decode["error"], decode
+
+
+def test_a_killed_prefill_rank_fails_the_request_within_the_timeout(pd_run):
+    name = "prefill-rank-killed/S4"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed", _context(pd_run, name)
+    assert f"timed out after" in decode["error"] and "WaitingForInput" in decode["error"], decode
+    assert KILL_TIMEOUT_S <= decode["elapsed_s"] < KILL_TIMEOUT_S + 10, decode
+    survivors = _ranks(pd_run, name)
+    assert survivors.pop(3) is None  # the killed process left no result
+    assert all(r["status"] == "success" for r in survivors.values()), survivors
+
+
+def test_nothing_outside_the_requests_pages_was_written(pd_run):
+    assert pd_run["results"]["D"]["stray_writes"] == []
