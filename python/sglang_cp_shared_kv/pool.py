@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.scoped import attributes_set
 
 logger = logging.getLogger(__name__)
 
@@ -216,15 +217,6 @@ def use_cp_shared_pool_classes(layout: CpSharedKVLayout):
 
     from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
 
-    replacements = {
-        "NSATokenToKVPool": CpSharedNSATokenToKVPool.bound_to(layout),
-        "PagedTokenToKVPoolAllocator": CpSharedPagedTokenToKVPoolAllocator,
-    }
-    saved = {name: getattr(mixin, name) for name in replacements}
-    for name, cls in replacements.items():
-        setattr(mixin, name, cls)
-    try:
+    with attributes_set(mixin, NSATokenToKVPool=CpSharedNSATokenToKVPool.bound_to(layout),
+                        PagedTokenToKVPoolAllocator=CpSharedPagedTokenToKVPoolAllocator):
         yield
-    finally:
-        for name, cls in saved.items():
-            setattr(mixin, name, cls)

@@ -559,36 +559,27 @@ def filter_owned_pages(original, kv_mgr, kv_indices, index_slice):
     return context.owned_pages(kv_indices, index_slice)
 
 
-def enqueue_owned_chunk(original, kv_mgr, *args, **kwargs):
-    """AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing."""
-    context = prefill_transfer(kv_mgr)
-    if context is None:
-        return original(kv_mgr, *args, **kwargs)
-    return context.enqueue(original, kv_mgr, *args, **kwargs)
+def _delegate_to_shard_transfer(method: str, doc: str):
+    """An AROUND hook on a ``MooncakeKVManager`` method: stock unless this manager moves a
+    shared-KV shard, else ``PrefillShardTransfer.<method>(original, kv_mgr, ...)``."""
+    def hook(original, kv_mgr, *args, **kwargs):
+        context = prefill_transfer(kv_mgr)
+        if context is None:
+            return original(kv_mgr, *args, **kwargs)
+        return getattr(context, method)(original, kv_mgr, *args, **kwargs)
+
+    hook.__doc__ = doc
+    return hook
 
 
-def write_in_bounded_batches(original, kv_mgr, *args, **kwargs):
-    """AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write)."""
-    context = prefill_transfer(kv_mgr)
-    if context is None:
-        return original(kv_mgr, *args, **kwargs)
-    return context.write(original, kv_mgr, *args, **kwargs)
-
-
-def send_owned_state_pages(original, kv_mgr, *args, **kwargs):
-    """AROUND ``MooncakeKVManager.maybe_send_extra``."""
-    context = prefill_transfer(kv_mgr)
-    if context is None:
-        return original(kv_mgr, *args, **kwargs)
-    return context.send_state(original, kv_mgr, *args, **kwargs)
-
-
-def send_aux_unless_failed(original, kv_mgr, *args, **kwargs):
-    """AROUND ``MooncakeKVManager.send_aux``."""
-    context = prefill_transfer(kv_mgr)
-    if context is None:
-        return original(kv_mgr, *args, **kwargs)
-    return context.send_aux(original, kv_mgr, *args, **kwargs)
+enqueue_owned_chunk = _delegate_to_shard_transfer(
+    "enqueue", "AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing.")
+write_in_bounded_batches = _delegate_to_shard_transfer(
+    "write", "AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write).")
+send_owned_state_pages = _delegate_to_shard_transfer(
+    "send_state", "AROUND ``MooncakeKVManager.maybe_send_extra``.")
+send_aux_unless_failed = _delegate_to_shard_transfer(
+    "send_aux", "AROUND ``MooncakeKVManager.send_aux``.")
 
 
 def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, status, prefill_rank):

@@ -15,12 +15,12 @@ Rows on the dummy page 0 (SGLang's padding) have no owner and are never written.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Tuple
 
 import torch
 
 from sglang_cp_shared_kv.batch_state import batch_state_of
+from sglang_cp_shared_kv.scoped import attributes_set
 
 
 def owned_rows_of(pool, loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -37,15 +37,9 @@ def owned_rows_of(pool, loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return rows, layout.logical_locs_to_physical(loc.index_select(0, rows), validate=False)
 
 
-@contextmanager
 def out_cache_loc_as(forward_batch, locs: torch.Tensor):
     """SGLang's index stores write at ``forward_batch.out_cache_loc``; point it elsewhere."""
-    logical = forward_batch.out_cache_loc
-    forward_batch.out_cache_loc = locs
-    try:
-        yield
-    finally:
-        forward_batch.out_cache_loc = logical
+    return attributes_set(forward_batch, out_cache_loc=locs)
 
 
 _FUSED_INDEX_STORE: dict = {}  # (key dtype, location dtype, page size) -> SGLang takes its fused path

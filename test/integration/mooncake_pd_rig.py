@@ -208,18 +208,14 @@ def attention_identity(cp_rank: int, cp_size: int):
     (there is no torch.distributed world here)."""
     import sglang.srt.disaggregation.common.conn as common
 
+    from sglang_cp_shared_kv.scoped import attributes_set
+
     values = dict(get_attention_tp_size=lambda: 1, get_attention_tp_rank=lambda: 0,
                   get_attention_cp_size=lambda: cp_size, get_attention_cp_rank=lambda: cp_rank,
                   get_attention_dp_size=lambda: 1, get_attention_dp_rank=lambda: 0,
                   get_pp_group=lambda: SimpleNamespace(rank_in_group=0, world_size=1))
-    saved = {name: getattr(common, name) for name in values}
-    for name, value in values.items():
-        setattr(common, name, value)
-    try:
+    with attributes_set(common, **values):
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(common, name, value)
 
 
 def server_args(bootstrap_port: int, shared: bool, kv_cache_dtype: str):
