@@ -474,13 +474,10 @@ class PrefillShardTransfer:
         rc = original(kv_mgr, dataclasses.replace(req, dst_state_indices=dst_lists), src_lists, executor,
                       target_rank_registration_info)
         if rc != 0:
-            cause = self.take_write_failure() or f"return code {rc}"
-            message = (f"{self.who}: writing the NSA index state of room {req.room} ({owned_pages} pages, "
-                       f"{descriptors} descriptors) to decode {req.endpoint}:{req.dst_port} failed: {cause}")
-            logger.error("CP shared KV transfer: %s", message)
-            self.stats.add(failed_state_writes=1)
-            self._count("failures", "state")
-            kv_mgr.record_failure(req.room, message)
+            self._record_write_failure(
+                kv_mgr, req.room, "state", rc,
+                f"the NSA index state of room {req.room} ({owned_pages} pages, {descriptors} descriptors) "
+                f"to decode {req.endpoint}:{req.dst_port}")
             self._local.failed_state = (req.room, req.mooncake_session_id)
         return rc
 
@@ -490,14 +487,19 @@ class PrefillShardTransfer:
             return -1  # the request already failed; SGLang makes a failed aux write Failed on both sides
         ret = original(kv_mgr, req, prefill_aux_index, dst_aux_ptrs)
         if ret != 0:
-            cause = self.take_write_failure() or f"return code {ret}"
-            message = (f"{self.who}: writing the request metadata (aux) of room {req.room} to decode "
-                       f"{req.endpoint}:{req.dst_port} failed: {cause}")
-            logger.error("CP shared KV transfer: %s", message)
-            self.stats.add(failed_aux_writes=1)
-            self._count("failures", "aux")
-            kv_mgr.record_failure(req.room, message)
+            self._record_write_failure(
+                kv_mgr, req.room, "aux", ret,
+                f"the request metadata (aux) of room {req.room} to decode {req.endpoint}:{req.dst_port}")
         return ret
+
+    def _record_write_failure(self, kv_mgr, room, kind: str, rc, what: str) -> None:
+        """Log, count and record (for both sides' failure messages) a failed ``kind`` write."""
+        cause = self.take_write_failure() or f"return code {rc}"
+        message = f"{self.who}: writing {what} failed: {cause}"
+        logger.error("CP shared KV transfer: %s", message)
+        self.stats.add(**{f"failed_{kind}_writes": 1})
+        self._count("failures", kind)
+        kv_mgr.record_failure(room, message)
 
     # ---------------------------------------------------- failure reporting
     def report_failure(self, kv_mgr, remote, dst_port, room) -> None:
