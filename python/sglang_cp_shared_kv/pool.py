@@ -33,9 +33,11 @@ import torch
 from sglang.srt.layers.attention.nsa import index_buf_accessor
 from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
+from sglang_cp_shared_kv import kernels
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.scoped import attributes_set
+from sglang_cp_shared_kv.writes import owned_rows_of
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +117,6 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
     # ---------------------------------------------------------------- MLA rows
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
         """Write the rows this rank owns at their physical locations; drop the rest."""
-        from sglang_cp_shared_kv import kernels
-        from sglang_cp_shared_kv.writes import owned_rows_of
-
         rows, physical_locs = owned_rows_of(self, loc)
         if not rows.numel():
             return
@@ -132,8 +131,6 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
     def store_rows_into(self, buffer: torch.Tensor, layer, locs, cache_k_nope, cache_k_rope) -> None:
         """SGLang's MLA store (incl. fp8 quantization) of every row into ``buffer`` at ``locs``:
         the bytes are exactly those a stock pool would hold for these rows."""
-        from sglang_cp_shared_kv import kernels
-
         def stock():
             index = layer.layer_id - self.start_layer
             physical = self.kv_buffer[index]
