@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -78,7 +79,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         )
     except (ModelConfigError, ValueError) as exc:
         parser.exit(2, f"{PROG} plan: error: {exc}\n")
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    try:
+        print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    except BrokenPipeError:  # e.g. `... | head`: the reader left, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
     return 0
 
 
