@@ -2,10 +2,10 @@
 """Kernel benchmark: each sgl-kernel Triton kernel beside its torch reference and SGLang's
 stock path, at 8K / 32K / 128K tokens and CP sizes N = 2 / 4 / 8. JSON on stdout (or --out).
 
-Per configuration and path: median time (µs, CUDA events, median of --reps after
---warmup, L2 flushed before every timed run), bytes moved (read + written), GB/s and the
-fraction of the H200's 4.1 TB/s copy bandwidth (and of the copy bandwidth this run
-measured). Paths:
+Per configuration and path: median GPU time (µs, CUDA events, median of --reps after
+--warmup, L2 flushed and the work queued behind a GPU sleep, see ``Timer``), the host's
+launch time of the same call, bytes moved (read + written), GB/s and the fraction of the
+H200's 4.1 TB/s copy bandwidth (and of the copy bandwidth this run measured). Paths:
 
 * ``mla_store`` (bf16, fp8) / ``index_store``: ``triton`` = fused store of the 1/N rows
   this rank owns; ``torch_reference`` = the package's torch reference of the same;
@@ -54,39 +54,68 @@ DRY_CP_SIZES = (2, 4)
 
 # ---------------------------------------------------------------------- timing
 class Timer:
+    """Median GPU time and host (launch) time of a callable.
+
+    Each timed run is queued behind an L2 flush and a GPU sleep long enough for the host
+    to enqueue the whole callable, so the CUDA events bracket the GPU's work alone: in a
+    real forward the host runs ahead of the GPU and launch latency overlaps the previous
+    kernels, so that is the cost the GPU pays. The host time of the same call (Python,
+    Triton / torch launch path) is reported beside it; when it exceeds the sleep, the
+    GPU time includes launch gaps and the entry says so.
+    """
+
+    SLEEP_US = 1000.0
+
     def __init__(self, device, reps, warmup):
         self.device, self.reps, self.warmup = device, reps, warmup
         self.cuda = device.type == "cuda"
         # writing 256 MiB evicts the H200's 50 MiB L2 between timed runs
         self.flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=device) if self.cuda else None
+        self.sleep_cycles = self._cycles_per_us() * self.SLEEP_US if self.cuda else 0
 
-    def __call__(self, fn) -> float:
-        """Median µs of ``fn()``."""
+    def _cycles_per_us(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1000)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        end.synchronize()
+        return 1_000_000 / (start.elapsed_time(end) * 1e3)
+
+    def __call__(self, fn):
+        """(median GPU µs, median host µs) of ``fn()``."""
         for _ in range(self.warmup):
             fn()
-        times = []
+        gpu, host = [], []
         for _ in range(self.reps):
             if self.cuda:
                 self.flush.zero_()
+                torch.cuda._sleep(int(self.sleep_cycles))
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
+                t = time.perf_counter()
                 fn()
+                host.append((time.perf_counter() - t) * 1e6)
                 end.record()
                 end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
+                gpu.append(start.elapsed_time(end) * 1e3)
             else:
                 t = time.perf_counter()
                 fn()
-                times.append((time.perf_counter() - t) * 1e6)
-        return statistics.median(times)
+                gpu.append((time.perf_counter() - t) * 1e6)
+                host.append(gpu[-1])
+        return statistics.median(gpu), statistics.median(host)
 
 
-def entry(us, moved_bytes, copy_measured=None):
-    result = {"us": round(us, 2), "bytes": int(moved_bytes),
+def entry(timing, moved_bytes, copy_measured=None, sleep_us=None):
+    us, host_us = timing
+    result = {"us": round(us, 2), "host_us": round(host_us, 2), "bytes": int(moved_bytes),
               "GBps": round(moved_bytes / us / 1e3, 1) if us > 0 else None,
               "fraction_of_4_1_TBps": round(moved_bytes / (us * 1e-6) / COPY_BANDWIDTH, 3) if us > 0 else None}
     if copy_measured:
         result["fraction_of_measured_copy"] = round(moved_bytes / (us * 1e-6) / copy_measured, 3)
+    if sleep_us and host_us > sleep_us:
+        result["launch_gaps_included"] = True
     return result
 
 
@@ -98,7 +127,7 @@ def measure(timer, paths, moved_bytes, copy_measured):
             out[name] = {"unavailable": fn}
             continue
         bytes_ = moved_bytes[name] if isinstance(moved_bytes, dict) else moved_bytes
-        out[name] = entry(timer(fn), bytes_, copy_measured)
+        out[name] = entry(timer(fn), bytes_, copy_measured, timer.SLEEP_US if timer.cuda else None)
     return out
 
 
@@ -107,7 +136,7 @@ def copy_bandwidth(timer, device):
         return None
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() / (timer(lambda: dst.copy_(src)) * 1e-6)
+    return 2 * src.numel() / (timer(lambda: dst.copy_(src))[0] * 1e-6)
 
 
 # ------------------------------------------------------------------ SGLang paths
@@ -128,6 +157,17 @@ def sglang_paths():
     except Exception as exc:
         found["index"] = f"{type(exc).__name__}: {exc}"
     return found
+
+
+def add_same_size_copy(paths, moved, moved_bytes, device, dry):
+    """A contiguous device copy of the bytes the owned-row store moves: the bandwidth a
+    transfer of that size can reach at all (small transfers are latency-bound)."""
+    if dry:
+        return
+    src = torch.empty(moved_bytes // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    paths["contiguous_copy_same_bytes"] = lambda: dst.copy_(src)
+    moved["contiguous_copy_same_bytes"] = 2 * src.numel()
 
 
 # ------------------------------------------------------------------- workloads
@@ -176,6 +216,7 @@ def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_mea
             paths["sglang_all_rows"] = lambda: stock(full, out_cache_loc, k_nope, k_rope)
     moved = {name: owned * (1152 + row_bytes + 16) for name in paths}
     moved["sglang_all_rows"] = tokens * (1152 + row_bytes + 8)
+    add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "row_bytes": row_bytes, "paths": measure(timer, paths, moved, copy_measured)}
 
 
@@ -196,6 +237,7 @@ def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry
             paths["sglang_all_rows"] = lambda: jit(key, full, out_cache_loc, PAGE)
     moved = {name: owned * (256 + 132 + 16) for name in paths}
     moved["sglang_all_rows"] = tokens * (256 + 132 + 8)
+    add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "paths": measure(timer, paths, moved, copy_measured)}
 
 
@@ -279,6 +321,7 @@ def bench_rerange(K, timer, tokens, n, width, device, copy_measured, dry):
         longest = max(rows for *_, rows in segments)
         out = torch.empty(tokens, width, dtype=gathered.dtype, device=device)
         paths["triton"] = lambda: K.rerange_rows(gathered, table, longest, tokens, out=out)
+        paths["contiguous_copy_same_bytes"] = lambda: out.copy_(gathered[:tokens])  # the one-copy floor
     result = {"paths": measure(timer, paths, 2 * tokens * width * 2, copy_measured)}
     if "triton" in paths:
         result["speedup_vs_split_cat"] = round(result["paths"]["split_cat"]["us"] / result["paths"]["triton"]["us"], 2)
@@ -310,10 +353,11 @@ def _table(title, rows, columns, extra=None):
 def render_markdown(report) -> str:
     """The benchmark's tables, as docs/performance.md shows them."""
     results = report["results"]
-    clock = "perf_counter, dry run" if report["dry_run"] else "CUDA events, L2 flushed"
+    clock = ("perf_counter, dry run" if report["dry_run"] else
+             "GPU time: CUDA events, L2 flushed, work queued behind a GPU sleep; host launch µs in the JSON")
     out = [f"Device: {report['device']}; median of {report['reps']} runs ({clock}); "
            f"measured copy bandwidth {report['copy_bandwidth_measured_GBps']} GB/s.\n"]
-    store_paths = ["triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows"]
+    store_paths = ["triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows", "contiguous_copy_same_bytes"]
     for kernel in ("mla_store_bf16", "mla_store_fp8", "index_store"):
         out.append(_table(kernel, [(r["tokens"], r["cp_size"], r[kernel]) for r in results], store_paths))
     for kind in PAGE_KINDS:
@@ -325,7 +369,8 @@ def render_markdown(report) -> str:
                           ("× vs sort+searchsorted", "speedup_vs_sort_searchsorted")))
     for kind in ROW_KINDS:
         out.append(_table(f"rerange {kind}", [(r["tokens"], r["cp_size"], r["rerange"][kind]) for r in results],
-                          ["triton", "split_cat"], ("× vs split/cat", "speedup_vs_split_cat")))
+                          ["triton", "split_cat", "contiguous_copy_same_bytes"],
+                          ("× vs split/cat", "speedup_vs_split_cat")))
     return "\n".join(out)
 
 

@@ -5,7 +5,9 @@
 #   .wheels/*.whl              pytest & hypothesis wheels for Python 3.12 (see docs/gpu.md)
 # Usage: scripts/gpu_session.sh [pytest args...]   results go to $OUT (default ./gpu-out)
 #   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
-#   BENCH=0 skips the benchmarks.
+#   BENCH=0 skips the benchmarks; E2E="off_a,on,..." runs those servers of
+#   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
+#   machine stays warm, logs are copied to $out).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -16,6 +18,15 @@ if [ ! -d "$site/sglang" ]; then
   mkdir -p "$site" && tar -xJf .gpu-site/site312.tar.xz -C "$site"
   python3 -m pip install -q --no-deps --no-index --target "$site" .wheels/*.whl
 fi
+# The plugin travels as source on PYTHONPATH; SGLang finds plugins by entry point, so
+# give it the entry point of an installed distribution.
+dist=$site/sglang_cp_shared_kv-0.1.0.dist-info
+if [ ! -f "$dist/entry_points.txt" ]; then
+  mkdir -p "$dist"
+  printf 'Metadata-Version: 2.1\nName: sglang-cp-shared-kv\nVersion: 0.1.0\n' > "$dist/METADATA"
+  sed -n '/^\[project.entry-points."sglang.srt.plugins"\]/,/^$/p' pyproject.toml \
+    | sed -e '1s/.*/[sglang.srt.plugins]/' -e 's/"//g' > "$dist/entry_points.txt"
+fi
 export PYTHONPATH="$site:$root/python:$root/sgl-kernel/python:$root/test"
 export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,6 +35,12 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 status=0
 if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
+fi
+if [ -n "${E2E:-}" ]; then
+  python3 scripts/e2e_cp2_logprobs.py --runs "$E2E" --workdir "$HOME/e2e-work" --out "$out/e2e.json" \
+    > "$out/e2e.txt" 2>&1 || status=1
+  cp "$HOME"/e2e-work/*.log "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
+  tail -40 "$out/e2e.txt"
 fi
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do

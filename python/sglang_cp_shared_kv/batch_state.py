@@ -5,11 +5,13 @@ runs after SGLang's CP padding and its own metadata, once per forward, before th
 model. When the batch runs on the shared-KV pool it
 
 * computes, on the device, the physical locations of the rows this rank owns, the
-  dense placement of the sequence's pages (:mod:`dense_layout`) and the dense
-  location of every row of the chunk;
-* replaces the backend's page tables (``page_table_1``, ``real_page_table``,
-  ``page_table_1_flattened``) with dense ones, so the indexer's fused top-k, the
-  index reads and the attention kernels all address the dense scratch, untouched;
+  dense placement of the sequence's pages (:mod:`dense_layout`) and from it the
+  *page inverse*, a logical page -> dense page table;
+* translates the backend's page tables (``page_table_1``, ``real_page_table``,
+  ``page_table_1_flattened``) and ``out_cache_loc`` through the page inverse (one
+  lookup per entry, :func:`kernels.remap_locs`), so the indexer's fused top-k (which
+  builds its indices from ``page_table_1``), the index reads and the attention kernels
+  all address the dense scratch, untouched;
 * attaches the state to the batch (``forward_batch.uses_cp_shared_kv``,
   ``forward_batch.cp_shared_kv_layout``, ``forward_batch.cp_shared_kv``) and to the pool.
 
@@ -26,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from sglang_cp_shared_kv import kernels
 from sglang_cp_shared_kv.config import FLAG, debug_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.dense_layout import DensePageMap, build_dense_page_map
@@ -45,6 +48,7 @@ class CpSharedBatchState:
     out_cache_loc: torch.Tensor  # the batch's logical out_cache_loc (identity marks its writes)
     owned_rows: torch.Tensor  # rows of out_cache_loc whose page this rank owns
     owned_physical_locs: torch.Tensor  # their physical locations in this rank's pool
+    page_inverse: torch.Tensor  # (logical pages + 1,) int32: dense page of each page of the sequence, else 0
     dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
     debug: bool
 
@@ -72,8 +76,10 @@ def cp_device_group(layout: CpSharedKVLayout):
 
 
 def build_batch_state(layout: CpSharedKVLayout, group, *, seq_pages: torch.Tensor, prefix_len: int,
-                      extend_len: int, out_cache_loc: torch.Tensor, debug: bool) -> CpSharedBatchState:
-    """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``."""
+                      extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
+                      debug: bool) -> CpSharedBatchState:
+    """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``
+    (pages numbered below ``num_logical_pages``)."""
     page_size = layout.page_size
     history_pages = -(-prefix_len // page_size)
     page_map = build_dense_page_map(layout, seq_pages, history_pages)
@@ -82,27 +88,27 @@ def build_batch_state(layout: CpSharedKVLayout, group, *, seq_pages: torch.Tenso
     owned_rows = owned.nonzero().squeeze(1)
     owned_physical_locs = layout.logical_locs_to_physical(out_cache_loc[owned_rows], validate=False)
 
-    row = torch.arange(out_cache_loc.numel(), device=out_cache_loc.device, dtype=torch.int64)
-    is_token = row < extend_len  # rows past the chunk are SGLang's padding (location 0)
-    dense_out_locs = torch.where(
-        is_token, page_map.dense_locs_of_positions(torch.where(is_token, row + prefix_len, 0)), 0)
+    page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
+    # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.
+    dense_out_locs = kernels.remap_locs(out_cache_loc, page_inverse, page_size)
     return CpSharedBatchState(
         layout=layout, group=group, page_map=page_map, prefix_len=prefix_len, extend_len=extend_len,
         out_cache_loc=out_cache_loc, owned_rows=owned_rows, owned_physical_locs=owned_physical_locs,
-        dense_out_locs=dense_out_locs.to(out_cache_loc.dtype), debug=debug,
+        page_inverse=page_inverse, dense_out_locs=dense_out_locs, debug=debug,
     )
 
 
-def dense_metadata(metadata, page_map: DensePageMap, seq_len: int):
-    """``metadata`` (SGLang's frozen ``NSAMetadata``) with dense page tables."""
-    table = metadata.page_table_1
-    dense_table = page_map.dense_token_table(seq_len, table.shape[1]).to(table.dtype)[None]
-    real = metadata.real_page_table
-    dense_real = torch.zeros_like(real)
-    dense_real[0, : page_map.num_pages] = page_map.dense_page.to(real.dtype)
+def dense_metadata(metadata, state: CpSharedBatchState):
+    """``metadata`` (SGLang's frozen ``NSAMetadata``) with its page tables translated to
+    the dense scratch. Entries past the sequence (never read) are set to the dummy page."""
+    page_size = state.layout.page_size
+    dense_table = kernels.remap_locs(metadata.page_table_1, state.page_inverse, page_size)
+    dense_table[:, state.seq_len:] = 0
+    dense_real = kernels.remap_locs(metadata.real_page_table, state.page_inverse, 1)
+    dense_real[:, state.page_map.num_pages:] = 0
     replaced = dict(page_table_1=dense_table, real_page_table=dense_real)
     if metadata.page_table_1_flattened is not None:
-        replaced["page_table_1_flattened"] = dense_table[0, :seq_len].to(
+        replaced["page_table_1_flattened"] = dense_table[0, : state.seq_len].to(
             metadata.page_table_1_flattened.dtype)
     return dataclasses.replace(metadata, **replaced)
 
@@ -124,6 +130,9 @@ def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, poo
         raise AssertionError(f"{FLAG}: out_cache_loc does not match the page table's chunk rows")
     if bool((state.out_cache_loc[state.extend_len:] >= page_size).any()):
         raise AssertionError(f"{FLAG}: padding rows of out_cache_loc leave the dummy page")
+    expected_dense = page_map.dense_locs_of_positions(positions)
+    if not torch.equal(state.dense_out_locs[: state.extend_len].to(torch.int64), expected_dense[state.prefix_len:]):
+        raise AssertionError(f"{FLAG}: the chunk's dense locations are not its positions' dense slots")
     owners = layout.owner_for_logical_pages(state.out_cache_loc[state.owned_rows] // page_size)
     if bool((owners != layout.cp_rank).any()):
         raise AssertionError(f"{FLAG}: a row selected for this rank is owned by another rank")
@@ -143,6 +152,15 @@ def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, poo
         "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
         state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
         page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
+
+
+def check_dense_tables(state: CpSharedBatchState, metadata) -> None:
+    """Debug-mode: the translated tables address each position's dense slot."""
+    page_map, seq_len = state.page_map, state.seq_len
+    if not torch.equal(metadata.page_table_1[0, :seq_len].to(torch.int64), page_map.dense_token_table(seq_len, seq_len)):
+        raise AssertionError(f"{FLAG}: the dense page_table_1 does not address each position's dense slot")
+    if not torch.equal(metadata.real_page_table[0, : page_map.num_pages].to(torch.int64), page_map.dense_page):
+        raise AssertionError(f"{FLAG}: the dense real_page_table does not list the sequence's dense pages")
 
 
 # --------------------------------------------------------------------------- hook
@@ -173,11 +191,14 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     state = build_batch_state(
         pool.cp_layout, cp_device_group(pool.cp_layout),
         seq_pages=metadata.real_page_table[0, :num_pages], prefix_len=prefix_len,
-        extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc, debug=debug_enabled(),
+        extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
+        num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(),
     )
     if state.debug:
         check_batch_state(state, metadata.page_table_1, pool)
-    backend.forward_metadata = dense_metadata(metadata, state.page_map, seq_len)
+    backend.forward_metadata = dense_metadata(metadata, state)
+    if state.debug:
+        check_dense_tables(state, backend.forward_metadata)
     forward_batch.uses_cp_shared_kv = True
     forward_batch.cp_shared_kv_layout = pool.cp_layout
     forward_batch.cp_shared_kv = state

@@ -62,6 +62,11 @@ def _package():
     return _package_module
 
 
+def package_available() -> bool:
+    """Whether the kernel package imports here (imported once, lazily)."""
+    return _package() is not None
+
+
 def _all_on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.is_cuda for t in tensors)
 
@@ -188,16 +193,25 @@ def _metadata_key(metadata) -> Tuple:
 
 def _segments_of(module, metadata, device):
     """(device table, longest segment, total rows) of ``metadata``'s re-order, built once
-    per batch (SGLang builds one metadata object per forward) and kept on it."""
+    per batch and stream (SGLang builds one metadata object per forward) and kept on it.
+
+    One table per stream: the table's host-to-device copy is queued on the stream that
+    builds it, and the indexer's key gather may run on a side stream while the latent
+    and hidden gathers run on the main one."""
     key = _metadata_key(metadata)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    cache_key = (key, device, None if stream is None else stream.cuda_stream)
     cached = getattr(metadata, _SEGMENTS_ATTR, None)
-    if cached is not None and cached[0] == key and cached[1].device == device:
-        return cached[1:]
-    segments = module.in_seq_segments(*key)
-    entry = (key, module.segment_table(segments, device), max((n for _, _, n in segments), default=0),
-             sum(metadata.reverse_split_len))
-    setattr(metadata, _SEGMENTS_ATTR, entry)
-    return entry[1:]
+    if cached is None or cached[0] != key:
+        cached = (key, {})
+        setattr(metadata, _SEGMENTS_ATTR, cached)
+    entry = cached[1].get(cache_key)
+    if entry is None:
+        segments = module.in_seq_segments(*key)
+        entry = (module.segment_table(segments, device), max((n for _, _, n in segments), default=0),
+                 sum(metadata.reverse_split_len))
+        cached[1][cache_key] = entry
+    return entry
 
 
 def rerange_in_seq(gathered: torch.Tensor, metadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:

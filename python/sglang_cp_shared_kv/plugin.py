@@ -8,7 +8,7 @@ is set. With the flag on, startup verifies that every hook below is in place
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv import batch_state, capacity, materialize, metrics, server_args, writes
+from sglang_cp_shared_kv import batch_state, capacity, in_seq_rerange, materialize, metrics, server_args, writes
 from sglang_cp_shared_kv import transfer
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
 
@@ -32,6 +32,10 @@ HOOKS = (
     HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", batch_state.attach_batch_state, "after"),
     HookSpec(f"{_INDEXER}._store_index_k_cache", writes.store_index_k_owned_and_dense, "around"),
     HookSpec(f"{_NSA_BACKEND}.forward_extend", materialize.forward_extend_on_dense_view, "around"),
+    # the in-seq CP all-gather (latent, index key, hidden) re-ordered by one kernel; the
+    # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
+    HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
+             in_seq_rerange.all_gather_in_seq_order, "around"),
     # --- PD transfer of each rank's shard
     HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages, "around"),
     HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),

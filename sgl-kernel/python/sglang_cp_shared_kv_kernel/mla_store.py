@@ -71,25 +71,38 @@ def _store_mla_rows_kernel(
     live = i < n
     src = source_rows(rows_ptr, i, live, HAS_ROWS)
     dst = tl.load(locs_ptr + i, mask=live, other=0).to(tl.int64) * (NOPE_WORDS + ROPE_WORDS)
+    wn = tl.arange(0, NOPE_BLOCK)
+    wr = tl.arange(0, ROPE_BLOCK)
+    # Column masks only where a part is not a power of two wide (never for 512 + 64):
+    # a mask that varies along the row stops the compiler from using 16-byte accesses.
+    if NOPE_BLOCK == NOPE_WORDS:
+        mn = live[:, None]
+    else:
+        mn = live[:, None] & (wn[None, :] < NOPE_WORDS)
+    if ROPE_BLOCK == ROPE_WORDS:
+        mr = live[:, None]
+    else:
+        mr = live[:, None] & (wr[None, :] < ROPE_WORDS)
+    # Both loads before either store: the store may alias the source as far as the
+    # compiler knows, so storing first would serialise the two round trips.
+    nope = tl.load(nope_ptr + src[:, None] * nope_stride + wn[None, :], mask=mn)
+    rope = tl.load(rope_ptr + src[:, None] * rope_stride + wr[None, :], mask=mr)
+    tl.store(buf_ptr + dst[:, None] + wn[None, :], nope, mask=mn)
+    tl.store(buf_ptr + dst[:, None] + NOPE_WORDS + wr[None, :], rope, mask=mr)
 
-    w = tl.arange(0, NOPE_BLOCK)
-    m = live[:, None] & (w[None, :] < NOPE_WORDS)
-    words = tl.load(nope_ptr + src[:, None] * nope_stride + w[None, :], mask=m)
-    tl.store(buf_ptr + dst[:, None] + w[None, :], words, mask=m)
 
-    w = tl.arange(0, ROPE_BLOCK)
-    m = live[:, None] & (w[None, :] < ROPE_WORDS)
-    words = tl.load(rope_ptr + src[:, None] * rope_stride + w[None, :], mask=m)
-    tl.store(buf_ptr + dst[:, None] + NOPE_WORDS + w[None, :], words, mask=m)
+STORE_BLOCK_ROWS = 16
+STORE_NUM_WARPS = 4
 
 
 def store_mla_rows(kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
-                   k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+                   k_nope: torch.Tensor, k_rope: torch.Tensor, *, block_rows: int = 0, num_warps: int = 0) -> None:
     """``kv_buffer[locs[i]] = [k_nope[rows[i]] | k_rope[rows[i]]]`` (bf16/fp16 rows).
 
     ``kv_buffer``: (slots, 1, nope + rope) of the pool's element type; ``k_nope`` /
     ``k_rope``: (n, [1,] dim) rows, cast to that type first if they differ (as SGLang
     does); ``rows``: int32/int64 row indices or None (every row); ``locs``: int32/int64.
+    ``block_rows`` / ``num_warps``: launch shape (0: the tuned defaults).
     """
     n = _check_rows(rows, locs, k_nope, k_rope)
     if not kv_buffer.is_floating_point():
@@ -104,12 +117,12 @@ def store_mla_rows(kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: 
     if buf.shape[1] != nope.shape[1] + rope.shape[1]:
         raise ValueError(f"buffer rows of {kv_buffer.shape[-1]} values cannot hold "
                          f"{k_nope.shape[-1]} + {k_rope.shape[-1]}")
-    block_rows = 8  # 8 rows x 144 words per program: one wave of programs at ~1K rows
+    block_rows = block_rows or STORE_BLOCK_ROWS
     _store_mla_rows_kernel[(triton.cdiv(n, block_rows),)](
         buf, rows if rows is not None else locs, locs, nope, rope, n, nope.stride(0), rope.stride(0),
         NOPE_WORDS=nope.shape[1], ROPE_WORDS=rope.shape[1],
         NOPE_BLOCK=triton.next_power_of_2(nope.shape[1]), ROPE_BLOCK=triton.next_power_of_2(rope.shape[1]),
-        HAS_ROWS=rows is not None, BLOCK_ROWS=block_rows, num_warps=4,
+        HAS_ROWS=rows is not None, BLOCK_ROWS=block_rows, num_warps=num_warps or STORE_NUM_WARPS,
     )
 
 

@@ -1,0 +1,463 @@
+"""The in-seq CP all-gather hook (``in_seq_rerange.all_gather_in_seq_order``) against
+SGLang's own ``cp_all_gather_rerange_output``.
+
+* Multi-process (N = 2, 3, 4, 8 ranks over gloo, SGLang's attention-CP
+  ``GroupCoordinator`` built as the CP harness builds it): SGLang's metadata builder
+  (``prepare_context_parallel_metadata``) and SGLang's split of the sequence
+  (``cp_split_and_rebuild_data``) give each rank its rows; the hook's output equals
+  SGLang's bit for bit (and both equal the sequence), for latent-, index-key- and
+  hidden-like rows and lengths that are tiny or not multiples of 2N. The hook issues
+  exactly SGLang's collective (same group, buffer shape, dtype, stream, symmetric-memory
+  arguments); ranks that take different paths stay in step; round-robin split and a
+  stock pool run SGLang's function. On CPU the kernel cannot run, so the plugin path
+  is forced there and ``kernels.rerange_in_seq`` takes its fallback after the all-gather;
+  the group's all-gather skips a custom op that has no CPU kernel
+  (:func:`cpu_all_gather_through_gloo`). Rank processes are forked from a forkserver that
+  imported SGLang once, which keeps N = 8 fast on two cores.
+* In process: the pre-collective decision (flag, metadata, split mode, input rank,
+  kernel availability; never a per-rank kernel failure).
+* A fresh interpreter: after the registry applies the hook, the name that
+  ``nsa_indexer`` (imported before) and ``deepseek_v2`` / ``deepseek_nextn`` (imported
+  after) call is the hook.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = 64
+WIDTHS = {"latent": 576, "index_key": 128, "hidden": 7168}  # bf16 rows as the model gathers them
+PRELOAD = ["sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.attention.nsa.utils", "sglang_cp_shared_kv.pool"]
+
+
+def lengths(n: int):
+    """Extend lengths: tiny (fewer rows than blocks, one row per block), not multiples of 2N,
+    multiples of 2N, longer."""
+    return sorted({1, n, 2 * n - 1, 2 * n, 2 * n + 1, 4 * n + 3, 64 * n, 333, 1000 + n})
+
+
+def server_args(mode: str = "in-seq-split"):
+    """What SGLang's CP helpers read from the global server arguments."""
+    return SimpleNamespace(enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode=mode,
+                           enable_symm_mem=False)
+
+
+class _TensorsOnCpu:
+    """``torch`` as cp_utils sees it while it builds metadata: its ``device="cuda"``
+    tensors are made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        return torch.tensor(*args, **kwargs)
+
+
+def build_metadata(total: int, cp_rank: int, cp_size: int):
+    """SGLang's own in-seq-split metadata builder (the model's forward calls it)."""
+    from sglang.srt.layers.utils import cp_utils
+
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    with attributes_set(cp_utils, torch=_TensorsOnCpu()):
+        return cp_utils.prepare_context_parallel_metadata(total, cp_rank, cp_size, [total])
+
+
+def shared_pool(n: int, rank: int):
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+
+    return CpSharedNSATokenToKVPool(
+        2 * PAGE * n, layout=CpSharedKVLayout(PAGE, n, rank), page_size=PAGE, kv_lora_rank=512,
+        dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1, device="cpu", index_head_dim=128,
+        enable_memory_saver=False, kv_cache_dim=576)
+
+
+def sequence(total: int, width: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7919 * total + width)  # the same sequence on every rank
+    return torch.randn(total, width, generator=g).bfloat16()
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# ============================================================ rank side
+class Recorder:
+    """Records every collective and symmetric-memory allocation context SGLang's helpers
+    see on this rank, and which path the hook took."""
+
+    def __init__(self, group):
+        from sglang.srt.layers.utils import cp_utils
+
+        from sglang_cp_shared_kv import in_seq_rerange
+
+        self.calls = []
+        self.paths = []
+        real_async, real_sync = group.cp_all_gather_into_tensor_async, group.all_gather_into_tensor
+        real_symm, real_ours = cp_utils.use_symmetric_memory, in_seq_rerange.gather_in_seq_order
+
+        def gather_async(output, input_, stream):
+            self.calls.append(("cp_all_gather_into_tensor_async", tuple(output.shape), str(output.dtype),
+                               tuple(input_.shape), repr(stream)))
+            return real_async(output, input_, stream)
+
+        def gather_sync(output, input_):
+            self.calls.append(("all_gather_into_tensor", tuple(output.shape), str(output.dtype), tuple(input_.shape)))
+            return real_sync(output, input_)
+
+        def symmetric(group_coordinator, disabled=False):
+            self.calls.append(("use_symmetric_memory", group_coordinator is group, disabled))
+            return real_symm(group_coordinator, disabled=disabled)
+
+        def ours(*args, **kwargs):
+            self.paths.append("plugin")
+            return real_ours(*args, **kwargs)
+
+        group.cp_all_gather_into_tensor_async, group.all_gather_into_tensor = gather_async, gather_sync
+        cp_utils.use_symmetric_memory = symmetric
+        in_seq_rerange.gather_in_seq_order = ours
+
+    @contextmanager
+    def recording(self):
+        self.calls, self.paths = [], []
+        yield self
+
+
+class RankRun:
+    """One rank: SGLang's function vs the hook, mismatches collected (never raised), so
+    every rank keeps issuing the same collectives."""
+
+    def __init__(self, rank: int, n: int, group):
+        from sglang.srt.layers.utils import cp_utils
+
+        from sglang_cp_shared_kv import in_seq_rerange
+
+        self.rank, self.n, self.group = rank, n, group
+        self.cp_utils, self.hook_module = cp_utils, in_seq_rerange
+        self.recorder = Recorder(group)
+        self.pool = shared_pool(n, rank)
+        self.errors, self.checks = [], 0
+
+    def check(self, ok: bool, what: str) -> None:
+        self.checks += 1
+        if not ok:
+            self.errors.append(what)
+
+    def original(self, *args):
+        self.recorder.paths.append("sglang")
+        return self.cp_utils.cp_all_gather_rerange_output(*args)
+
+    def run(self, rows, fb, plugin_path: bool):
+        """(output, collectives, paths) of the hook, its kernel decision forced."""
+        with self.recorder.recording() as rec:
+            saved = self.hook_module.kernel_can_run
+            self.hook_module.kernel_can_run = lambda t: plugin_path
+            try:
+                out = self.hook_module.all_gather_in_seq_order(self.original, rows, self.n, fb, None)
+            finally:
+                self.hook_module.kernel_can_run = saved
+            return out, rec.calls, rec.paths
+
+    def stock(self, rows, fb):
+        with self.recorder.recording() as rec:
+            out = self.cp_utils.cp_all_gather_rerange_output(rows, self.n, fb, None)
+            return out, rec.calls
+
+    def same(self, ours, theirs) -> bool:
+        return (ours.shape == theirs.shape and ours.dtype == theirs.dtype
+                and torch.equal(as_bytes(ours), as_bytes(theirs)))
+
+    # ------------------------------------------------------------ scenarios
+    def in_seq(self):
+        for total in lengths(self.n):
+            metadata = build_metadata(total, self.rank, self.n)
+            fb = SimpleNamespace(token_to_kv_pool=self.pool, attn_cp_metadata=metadata)
+            for name, width in WIDTHS.items():
+                if name == "hidden" and total > 400:
+                    continue  # the wide rows: short sequences keep the test fast
+                where = f"N={self.n} rank {self.rank} total={total} {name}"
+                full = sequence(total, width)
+                rows = self.cp_utils.cp_split_and_rebuild_data(fb, full)  # this rank's zigzag blocks
+                theirs, their_calls = self.stock(rows, fb)
+                ours, our_calls, paths = self.run(rows, fb, plugin_path=True)
+                self.check(paths == ["plugin"], f"{where}: paths {paths}")
+                self.check(self.same(ours, theirs), f"{where}: output differs from SGLang's")
+                self.check(self.same(theirs, full), f"{where}: SGLang's output is not the sequence")
+                gathers = [c for c in their_calls if c[0] == "cp_all_gather_into_tensor_async"]
+                self.check(our_calls == their_calls and len(gathers) == 1,
+                           f"{where}: collectives {our_calls} != SGLang's {their_calls}")
+
+    def mixed_paths(self):
+        """Rank 0 runs SGLang's function, the others the plugin path: the same all-gather,
+        so no rank waits on a collective the others never issue."""
+        for total in (2 * self.n + 1, 1000 + self.n):
+            metadata = build_metadata(total, self.rank, self.n)
+            fb = SimpleNamespace(token_to_kv_pool=self.pool, attn_cp_metadata=metadata)
+            full = sequence(total, WIDTHS["latent"])
+            rows = self.cp_utils.cp_split_and_rebuild_data(fb, full)
+            out, _, paths = self.run(rows, fb, plugin_path=self.rank != 0)
+            where = f"N={self.n} rank {self.rank} mixed total={total}"
+            self.check(paths == (["sglang"] if self.rank == 0 else ["plugin"]), f"{where}: paths {paths}")
+            self.check(self.same(out, full), f"{where}: output is not the sequence")
+
+    def falls_through(self):
+        """Round-robin split, a stock pool, no metadata: SGLang's function, whole."""
+        from sglang.srt import server_args as sa
+
+        total = 8 * self.n + self.n  # round-robin needs a multiple of N
+        full = sequence(total, WIDTHS["index_key"])
+        stock_pool = object()
+        cases = [("stock pool", stock_pool, "in-seq-split"), ("round-robin", self.pool, "round-robin-split")]
+        for what, pool, mode in cases:
+            sa._global_server_args = server_args(mode)
+            metadata = build_metadata(total, self.rank, self.n)
+            fb = SimpleNamespace(token_to_kv_pool=pool, attn_cp_metadata=metadata)
+            rows = self.cp_utils.cp_split_and_rebuild_data(fb, full)
+            theirs, their_calls = self.stock(rows, fb)
+            ours, our_calls, paths = self.run(rows, fb, plugin_path=True)
+            where = f"N={self.n} rank {self.rank} {what}"
+            self.check(paths == ["sglang"], f"{where}: paths {paths}")
+            self.check(self.same(ours, theirs) and self.same(theirs, full), f"{where}: output differs")
+            self.check(our_calls == their_calls, f"{where}: collectives {our_calls} != {their_calls}")
+        sa._global_server_args = server_args()
+        fb = SimpleNamespace(token_to_kv_pool=self.pool, attn_cp_metadata=None)
+        _, _, paths = self.run_expecting_original(fb)
+        self.check(paths == ["sglang"], f"N={self.n} rank {self.rank} no metadata: paths {paths}")
+
+    def run_expecting_original(self, fb):
+        with self.recorder.recording() as rec:
+            sentinel = object()
+            out = self.hook_module.all_gather_in_seq_order(
+                lambda *a: (rec.paths.append("sglang"), sentinel)[1], torch.zeros(3, 4), self.n, fb, None)
+            self.check(out is sentinel, "no metadata: the hook did not return SGLang's result")
+            return out, rec.calls, rec.paths
+
+
+def _init_group(rank: int, n: int, port: int):
+    """gloo world + SGLang's attention-CP GroupCoordinator over it (as the CP harness)."""
+    from sglang.srt import server_args as sa
+    from sglang.srt.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=120)
+    ps._ATTN_CP = ps.GroupCoordinator(
+        group_ranks=[list(range(n))], local_rank=rank, torch_distributed_backend="gloo",
+        use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
+        use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=120),
+    )
+    cpu_all_gather_through_gloo(ps._ATTN_CP)
+    sa._global_server_args = server_args()
+    return ps._ATTN_CP
+
+
+def cpu_all_gather_through_gloo(group) -> None:
+    """The one CPU stand-in: ``GroupCoordinator.all_gather_into_tensor`` (which
+    ``cp_all_gather_into_tensor_async`` calls without pynccl) dispatches to a registered
+    custom op that has no CPU kernel; call the method that op wraps,
+    ``_all_gather_into_tensor`` (``torch.distributed.all_gather_into_tensor`` on the gloo
+    group), directly. Everything above it is SGLang's code."""
+    group.all_gather_into_tensor = group._all_gather_into_tensor
+
+
+def _rank_main(rank: int, n: int, port: int, out_dir: str):
+    result = {}
+    try:
+        torch.set_num_threads(1)
+        group = _init_group(rank, n, port)
+        run = RankRun(rank, n, group)
+        run.in_seq()
+        run.mixed_paths()
+        run.falls_through()
+        result = {"errors": run.errors[:20], "checks": run.checks}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        tb = traceback.format_exc()
+        result = {"fatal": tb if len(tb) < 4000 else tb[:1500] + " ... " + tb[-1500:]}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+
+
+# ============================================================ parent side
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def fork_context():
+    """Rank processes forked from one server that imported SGLang once (a spawned process
+    per rank would import it 17 times)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    yield ctx
+
+
+def run_ranks(ctx, n: int, timeout_s: float = 120.0):
+    out_dir = tempfile.mkdtemp(prefix=f"in-seq-rerange-{n}-")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, n, port, out_dir), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    deadline, failed = time.monotonic() + timeout_s, None
+    while any(p.is_alive() for p in procs):
+        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead:
+            failed = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}"
+            break
+        if time.monotonic() > deadline:
+            failed = f"deadline of {timeout_s:.0f}s passed (a rank waiting on a collective?)"
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    results = []
+    for r in range(n):
+        path = Path(out_dir, f"rank{r}.json")
+        results.append(json.loads(path.read_text()) if path.exists() else {"fatal": "no result file"})
+    fatal = [(r, x["fatal"]) for r, x in enumerate(results) if "fatal" in x]
+    assert not failed and not fatal, f"N={n}: {failed or ''} {fatal}"
+    return results
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_hook_equals_sglang_on_gloo_ranks(fork_context, n):
+    results = run_ranks(fork_context, n)
+    errors = [e for x in results for e in x["errors"]]
+    assert not errors, errors
+    cases = sum(len(WIDTHS) - (total > 400) for total in lengths(n))  # (length, width) pairs
+    assert all(x["checks"] == 4 * cases + 2 * 2 + 2 * 3 + 2 for x in results), results
+
+
+# ============================================================ in process
+@pytest.fixture
+def decision(monkeypatch):
+    """The hook's pre-collective decision in this process: SGLang's server arguments for
+    in-seq split, the kernel package importable, debug off."""
+    from sglang.srt import server_args as sa
+
+    from sglang_cp_shared_kv import in_seq_rerange, kernels
+
+    monkeypatch.setattr(sa, "_global_server_args", server_args())
+    monkeypatch.setattr(kernels, "_package", lambda: object())
+    monkeypatch.delenv("SGLANG_DEBUG_CP_SHARED_KV", raising=False)
+    return in_seq_rerange, kernels
+
+
+def _cuda_like(ndim=2):
+    return SimpleNamespace(is_cuda=True, dim=lambda: ndim)
+
+
+def test_decision_uses_rank_identical_facts_only(decision, monkeypatch):
+    hook_module, kernels = decision
+    fb = SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=build_metadata(9, 0, 2))
+    assert hook_module.takes_plugin_path(_cuda_like(), fb)
+    monkeypatch.setattr(kernels, "_failed", {"rerange_in_seq"})  # raised once on this rank only
+    assert hook_module.takes_plugin_path(_cuda_like(), fb), "a per-rank kernel failure changed the path"
+    assert not hook_module.takes_plugin_path(_cuda_like(ndim=3), fb)  # SGLang's function refuses it
+    assert not hook_module.takes_plugin_path(torch.zeros(4, 2), fb)  # CPU: no kernel
+    monkeypatch.setenv("SGLANG_DEBUG_CP_SHARED_KV", "1")
+    assert not hook_module.takes_plugin_path(_cuda_like(), fb)
+    monkeypatch.delenv("SGLANG_DEBUG_CP_SHARED_KV")
+    monkeypatch.setattr(kernels, "_package", lambda: None)
+    assert not hook_module.takes_plugin_path(_cuda_like(), fb)
+
+
+def test_inert_unless_shared_kv_in_seq_batch(decision, monkeypatch):
+    from sglang.srt import server_args as sa
+
+    hook_module, _ = decision
+    metadata = build_metadata(9, 0, 2)
+
+    def gather_must_not_run(*args, **kwargs):
+        raise AssertionError("the plugin path ran")
+
+    monkeypatch.setattr(hook_module, "gather_in_seq_order", gather_must_not_run)
+    calls = []
+
+    def original(*args):
+        calls.append(args)
+        return "sglang's result"
+
+    rows, stream = _cuda_like(), object()
+    cases = {"flag off": SimpleNamespace(token_to_kv_pool=object(), attn_cp_metadata=metadata),
+             "no pool": SimpleNamespace(attn_cp_metadata=metadata),
+             "no metadata": SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=None)}
+    for what, fb in cases.items():
+        assert hook_module.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result", what
+        assert calls.pop() == (rows, 2, fb, stream), what
+    monkeypatch.setattr(sa, "_global_server_args", server_args("round-robin-split"))
+    fb = SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=metadata)
+    assert hook_module.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result"
+
+
+def test_registered_for_hook_check():
+    from sglang_cp_shared_kv import in_seq_rerange, plugin
+
+    spec = next(s for s in plugin.HOOKS if s.hook is in_seq_rerange.all_gather_in_seq_order)
+    assert (spec.target, spec.hook_type) == ("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
+                                             "around")
+
+
+PROPAGATION = textwrap.dedent("""
+    import sys
+    import sglang.srt.layers.attention.nsa.nsa_indexer as nsa_indexer  # imported before the hooks apply
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang_cp_shared_kv import in_seq_rerange, plugin
+    from sglang_cp_shared_kv.hook_check import _wraps_hook, missing_hooks
+
+    spec = next(s for s in plugin.HOOKS if s.hook is in_seq_rerange.all_gather_in_seq_order)
+    HookRegistry.register(spec.target, spec.hook, HookType(spec.hook_type))
+    HookRegistry.apply_hooks()
+    assert missing_hooks([spec]) == [], missing_hooks([spec])
+    import sglang.srt.models.deepseek_nextn as deepseek_nextn  # imported after
+    import sglang.srt.models.deepseek_v2 as deepseek_v2
+    from sglang.srt.layers.utils import cp_utils
+
+    class Reached(Exception):
+        pass
+
+    def reached(*args):
+        raise Reached
+    in_seq_rerange.takes_plugin_path = reached
+    for module in (nsa_indexer, deepseek_v2, deepseek_nextn):
+        name = module.cp_all_gather_rerange_output
+        assert name is cp_utils.cp_all_gather_rerange_output and _wraps_hook(name, spec.hook), module.__name__
+        try:
+            name("rows", 2, "forward batch", None)
+        except Reached:
+            print("reached", module.__name__.rsplit(".", 1)[1])
+""")
+
+
+def test_models_call_the_hook_after_the_registry_applies_it():
+    """HookRegistry rebinds ``from cp_utils import cp_all_gather_rerange_output`` copies in
+    modules loaded before it applies the hook; modules loaded later import the wrapper."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", PROPAGATION], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["reached", "nsa_indexer", "reached", "deepseek_v2", "reached", "deepseek_nextn"]
