@@ -55,6 +55,9 @@ TINY_DSV32 = {
     "index_n_heads": 64, "index_topk": INDEX_TOPK, "vocab_size": 8192, "max_position_embeddings": 8192,
     "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
     "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    # read by the in-seq-split (deepep) layer construction even though every layer is dense
+    "moe_layer_freq": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
 }
 RUNS = {  # name: (flag on, corrupt rank)
     "off_a": (False, None), "off_b": (False, None), "on": (True, None), "on_corrupt": (True, 1),
