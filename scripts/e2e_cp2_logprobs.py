@@ -84,7 +84,11 @@ def post(port, path, body=None, timeout=600):
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read() or b"null")
+        text = resp.read()
+    try:
+        return json.loads(text or b"null")
+    except ValueError:  # /flush_cache answers in plain text
+        return text.decode(errors="replace")
 
 
 def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
