@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from sglang_cp_shared_kv.config import FLAG, is_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
@@ -49,11 +49,25 @@ def current_split() -> Optional[CapacitySplit]:
     return _current_split
 
 
+def attention_cp_position(runner) -> Tuple[int, int]:
+    """(CP rank, CP size) of this model runner.
+
+    SGLang's ``TpModelWorker`` builds the ``ModelRunner`` without ``attn_cp_rank``, so in
+    a server the rank comes from the attention-CP group, initialised before the pool."""
+    if runner.attn_cp_rank is not None:
+        return runner.attn_cp_rank, runner.attn_cp_size
+    from sglang.srt.layers.dp_attention import get_attention_cp_rank, get_attention_cp_size
+
+    rank, size = get_attention_cp_rank(), get_attention_cp_size()
+    if size != runner.attn_cp_size:
+        raise RuntimeError(f"{FLAG}: the attention CP group has {size} ranks but the server "
+                           f"arguments give attn_cp_size={runner.attn_cp_size}")
+    return rank, size
+
+
 def layout_for_runner(runner) -> CpSharedKVLayout:
-    if runner.attn_cp_rank is None:
-        raise RuntimeError(f"{FLAG}: the model runner has no attention CP rank")
-    return CpSharedKVLayout(page_size=runner.page_size, cp_size=runner.attn_cp_size,
-                            cp_rank=runner.attn_cp_rank)
+    rank, size = attention_cp_position(runner)
+    return CpSharedKVLayout(page_size=runner.page_size, cp_size=size, cp_rank=rank)
 
 
 def split_capacity(config, runner, *args, **kwargs):

@@ -98,3 +98,18 @@ def test_scheduler_process_revalidates(tiny_nsa_model, monkeypatch):
     with pytest.raises(CpSharedKVConfigError, match="SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"):
         shared.init_memory_pool(0)
     assert shared.token_to_kv_pool_allocator is None  # refused before any pool was built
+
+
+def test_cp_rank_comes_from_the_attention_cp_group_in_a_server(tiny_nsa_model, monkeypatch):
+    # SGLang's TpModelWorker builds the ModelRunner without attn_cp_rank.
+    from sglang.srt.layers import dp_attention
+
+    shared = runner(tiny_nsa_model, tp=4)
+    shared.attn_cp_rank = None
+    monkeypatch.setattr(dp_attention, "get_attention_cp_rank", lambda: 2)
+    monkeypatch.setattr(dp_attention, "get_attention_cp_size", lambda: 4)
+    layout = capacity.layout_for_runner(shared)
+    assert (layout.cp_rank, layout.cp_size) == (2, 4)
+    monkeypatch.setattr(dp_attention, "get_attention_cp_size", lambda: 2)
+    with pytest.raises(RuntimeError, match="attention CP group has 2 ranks"):
+        capacity.layout_for_runner(shared)
