@@ -97,7 +97,8 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            "--nsa-prefill-cp-mode", "in-seq-split", "--disable-custom-all-reduce", "--page-size", "64",
            "--mem-fraction-static", "0.5", "--disable-cuda-graph", "--random-seed", "0", "--port", str(port),
            "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", "2048",
-           "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch"]
+           "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch",
+           "--skip-server-warmup"]  # its warm-up decodes; a shared-KV prefill rank refuses decode
     if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
         cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
     env = dict(os.environ, CPSKV_E2E="1", SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0",
