@@ -98,7 +98,9 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            "--mem-fraction-static", "0.5", "--disable-cuda-graph", "--random-seed", "0", "--port", str(port),
            "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", "2048",
            "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch",
-           "--skip-server-warmup"]  # its warm-up decodes; a shared-KV prefill rank refuses decode
+           # no decode here: the warm-up decodes, and the overlap scheduler launches a decode step
+           # before it sees that a 1-token request is done; a shared-KV prefill rank refuses decode
+           "--skip-server-warmup", "--disable-overlap-schedule"]
     if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
         cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
     env = dict(os.environ, CPSKV_E2E="1", SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0",
