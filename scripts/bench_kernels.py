@@ -241,6 +241,7 @@ def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry
     return {"owned_rows": owned, "paths": measure(timer, paths, moved, copy_measured)}
 
 
+KERNELS = ("mla_store_bf16", "mla_store_fp8", "index_store", "page_pack", "page_remap", "rerange")
 PAGE_KINDS = {"mla_bf16": PAGE * 1152, "mla_fp8": PAGE * 656, "index": PAGE * 132}
 
 
@@ -294,7 +295,8 @@ def bench_remap(K, timer, tokens, n, device, g, copy_measured, dry):
         if not dry:
             paths["triton"] = lambda locs=locs, out=out: K.remap_locs(
                 locs, K.build_page_inverse(seq_pages, dense_page, logical_pages, out=inverse), PAGE, out=out)
-            paths["triton_remap_only"] = lambda locs=locs, out=out: K.remap_locs(locs, inverse, PAGE, out=out)
+            built = K.build_page_inverse(seq_pages, dense_page, logical_pages, out=inverse)
+            paths["triton_remap_only"] = lambda locs=locs, out=out: K.remap_locs(locs, built, PAGE, out=out)
         moved = locs.numel() * 2 * locs.element_size()
         results[name] = {"entries": locs.numel(), "paths": measure(timer, paths, moved, copy_measured)}
         if "triton" in paths and "sort_searchsorted" in results[name]["paths"]:
@@ -358,16 +360,19 @@ def render_markdown(report) -> str:
     out = [f"Device: {report['device']}; median of {report['reps']} runs ({clock}); "
            f"measured copy bandwidth {report['copy_bandwidth_measured_GBps']} GB/s.\n"]
     store_paths = ["triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows", "contiguous_copy_same_bytes"]
+    present = set(results[0]) if results else set()
     for kernel in ("mla_store_bf16", "mla_store_fp8", "index_store"):
+        if kernel not in present:
+            continue
         out.append(_table(kernel, [(r["tokens"], r["cp_size"], r[kernel]) for r in results], store_paths))
-    for kind in PAGE_KINDS:
+    for kind in PAGE_KINDS if "page_pack" in present else ():
         out.append(_table(f"page_pack {kind}", [(r["tokens"], r["cp_size"], r["page_pack"][kind]) for r in results],
                           ["triton", "index_select"], ("MB sent", "send_MB")))
-    for table in ("page_table", "topk_indices"):
+    for table in ("page_table", "topk_indices") if "page_remap" in present else ():
         out.append(_table(f"page_remap {table}", [(r["tokens"], r["cp_size"], r["page_remap"][table]) for r in results],
                           ["triton", "triton_remap_only", "torch_reference", "sort_searchsorted"],
                           ("× vs sort+searchsorted", "speedup_vs_sort_searchsorted")))
-    for kind in ROW_KINDS:
+    for kind in ROW_KINDS if "rerange" in present else ():
         out.append(_table(f"rerange {kind}", [(r["tokens"], r["cp_size"], r["rerange"][kind]) for r in results],
                           ["triton", "split_cat", "contiguous_copy_same_bytes"],
                           ("× vs split/cat", "speedup_vs_split_cat")))
@@ -381,6 +386,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, help="write the JSON here instead of stdout")
+    parser.add_argument("--only", default=",".join(KERNELS),
+                        help=f"comma-separated subset of {','.join(KERNELS)}")
     parser.add_argument("--markdown", type=Path, metavar="JSON", help="print the tables of a finished run")
     args = parser.parse_args(argv)
     if args.markdown:
@@ -390,6 +397,9 @@ def main(argv=None):
     import sglang_cp_shared_kv_kernel as K
 
     dry = args.dry_run
+    only = [name for name in args.only.split(",") if name]
+    if set(only) - set(KERNELS):
+        parser.error(f"--only: unknown {sorted(set(only) - set(KERNELS))}; choose from {', '.join(KERNELS)}")
     if dry:
         torch.set_num_threads(1)  # CI proves the script runs; threads only contend there
     device = torch.device("cpu" if dry else "cuda")
@@ -406,14 +416,20 @@ def main(argv=None):
     for tokens in tokens_list:
         for n in cp_sizes:
             row = {"tokens": tokens, "cp_size": n}
-            row["mla_store_bf16"] = bench_mla_store(K, timer, sglang, tokens, n, False, device, g, copy_measured, dry)
-            row["mla_store_fp8"] = bench_mla_store(K, timer, sglang, tokens, n, True, device, g, copy_measured, dry)
-            row["index_store"] = bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry)
-            row["page_pack"] = {kind: bench_pack(K, timer, tokens, n, page_bytes, device, g, copy_measured, dry)
-                                for kind, page_bytes in PAGE_KINDS.items()}
-            row["page_remap"] = bench_remap(K, timer, tokens, n, device, g, copy_measured, dry)
-            row["rerange"] = {kind: bench_rerange(K, timer, tokens, n, width, device, copy_measured, dry)
-                              for kind, width in ROW_KINDS.items()}
+            benches = {
+                "mla_store_bf16": lambda: bench_mla_store(K, timer, sglang, tokens, n, False, device, g,
+                                                          copy_measured, dry),
+                "mla_store_fp8": lambda: bench_mla_store(K, timer, sglang, tokens, n, True, device, g,
+                                                         copy_measured, dry),
+                "index_store": lambda: bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry),
+                "page_pack": lambda: {kind: bench_pack(K, timer, tokens, n, page_bytes, device, g, copy_measured, dry)
+                                      for kind, page_bytes in PAGE_KINDS.items()},
+                "page_remap": lambda: bench_remap(K, timer, tokens, n, device, g, copy_measured, dry),
+                "rerange": lambda: {kind: bench_rerange(K, timer, tokens, n, width, device, copy_measured, dry)
+                                    for kind, width in ROW_KINDS.items()},
+            }
+            for name in only:
+                row[name] = benches[name]()
             results.append(row)
             print(f"done: {tokens} tokens, N={n}", file=sys.stderr)
 
