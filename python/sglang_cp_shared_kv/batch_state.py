@@ -48,7 +48,7 @@ class CpSharedBatchState:
     out_cache_loc: torch.Tensor  # the batch's logical out_cache_loc (identity marks its writes)
     owned_rows: torch.Tensor  # rows of out_cache_loc whose page this rank owns
     owned_physical_locs: torch.Tensor  # their physical locations in this rank's pool
-    page_inverse: kernels.PageInverse  # logical page -> dense page of the sequence's pages
+    page_inverse: torch.Tensor  # (logical pages + 1,) int32: dense page of each page of the sequence, else 0
     dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
     debug: bool
 

@@ -28,7 +28,7 @@ back alone stays in step with the group.
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Callable, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -151,49 +151,35 @@ def pack_pages(page_words: torch.Tensor, send_pages: torch.Tensor,
 
 
 # ---------------------------------------------------------------------- remapping
-class PageInverse(NamedTuple):
-    """A sequence's logical page -> dense page inverse (the package's ``PageInverse``
-    fields): ``table[seq_pages[i]] = i`` where written, unspecified elsewhere; a lookup
-    counts only when ``seq_pages`` confirms it, so the table is never cleared."""
-
-    table: torch.Tensor
-    seq_pages: torch.Tensor
-    dense_page: torch.Tensor
-
-
 def build_page_inverse(seq_pages: torch.Tensor, dense_page: torch.Tensor, num_logical_pages: int,
-                       out: Optional[torch.Tensor] = None) -> PageInverse:
-    """The inverse of the sequence's pages (``seq_pages``: distinct, never 0, all below
-    ``num_logical_pages``) onto their ``dense_page``; ``out``: an int32 table to reuse."""
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(num_logical_pages,) int32 table: ``dense_page[i]`` at logical page
+    ``seq_pages[i]`` (distinct, never 0), 0 (the dense dummy page) elsewhere."""
     def fallback():
-        table = torch.empty(num_logical_pages, dtype=torch.int32, device=seq_pages.device) if out is None else out
-        table[seq_pages.long()] = torch.arange(seq_pages.numel(), dtype=torch.int32, device=seq_pages.device)
-        return PageInverse(table, seq_pages, dense_page)
+        table = torch.zeros(num_logical_pages, dtype=torch.int32, device=seq_pages.device) \
+            if out is None else out.zero_()
+        return table.index_copy_(0, seq_pages.long(), dense_page.to(table.dtype))
 
     return _run("build_page_inverse", (seq_pages, dense_page),
-                lambda module: PageInverse(*module.build_page_inverse(seq_pages, dense_page, num_logical_pages,
-                                                                      out=out)),
+                lambda module: module.build_page_inverse(seq_pages, dense_page, num_logical_pages, out=out),
                 fallback)
 
 
-def remap_locs(locs: torch.Tensor, inverse: PageInverse, page_size: int,
+def remap_locs(locs: torch.Tensor, page_inverse: torch.Tensor, page_size: int,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense locations of logical ``locs`` (any shape; negative entries such as top-k's
-    -1 padding kept; ``page_size=1`` remaps page numbers). Locations on pages outside
-    the sequence map into the dense dummy page 0."""
+    -1 padding kept; ``page_size=1`` remaps page numbers). Pages outside the table map
+    to the dense dummy page."""
     def fallback():
-        # The plain lookup table the checked inverse stands for (the fallback can afford the memset).
-        dense_of_page = torch.zeros(inverse.table.numel(), dtype=torch.int64, device=locs.device)
-        dense_of_page[inverse.seq_pages.long()] = inverse.dense_page.long()
         logical = locs.long()
         page = logical // page_size
-        on_table = (logical >= 0) & (page < dense_of_page.numel())
-        dense = dense_of_page[torch.where(on_table, page, 0)]
+        known = (logical >= 0) & (page < page_inverse.numel())
+        dense = torch.where(known, page_inverse.long()[torch.where(known, page, 0)], 0)
         result = torch.where(logical < 0, logical, dense * page_size + logical % page_size).to(locs.dtype)
         return result if out is None else out.copy_(result)
 
-    return _run("remap_locs", (locs, *inverse),
-                lambda module: module.remap_locs(locs, inverse, page_size, out=out), fallback)
+    return _run("remap_locs", (locs, page_inverse),
+                lambda module: module.remap_locs(locs, page_inverse, page_size, out=out), fallback)
 
 
 # ------------------------------------------------------------------ in-seq re-range

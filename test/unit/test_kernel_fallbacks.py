@@ -40,7 +40,7 @@ class FakePackage:
             self.calls.append(name)
             if name in self.broken:
                 raise RuntimeError(f"{name} exploded")
-            return ("table", "seq_pages", "dense_page") if name == "build_page_inverse" else "kernel-result"
+            return "kernel-result"
         return kernel
 
 
@@ -77,9 +77,8 @@ def test_cuda_tensors_run_the_kernels_and_log_nothing(on_cuda, monkeypatch, capl
     kernels.store_index_rows(torch.zeros(2, 64 * 132, dtype=torch.uint8), None, torch.arange(3),
                              torch.zeros(3, 128), stock=lambda: stock.append(1))
     assert kernels.pack_pages(torch.zeros(3, 2, dtype=torch.int64), torch.tensor([1])) == "kernel-result"
-    inverse = kernels.PageInverse(torch.zeros(4, dtype=torch.int32), torch.tensor([1]), torch.tensor([1]))
-    assert kernels.remap_locs(torch.arange(3), inverse, 64) == "kernel-result"
-    assert kernels.build_page_inverse(torch.tensor([1]), torch.tensor([1]), 4) == kernels.PageInverse("table", "seq_pages", "dense_page")
+    assert kernels.remap_locs(torch.arange(3), torch.zeros(4, dtype=torch.int32), 64) == "kernel-result"
+    assert kernels.build_page_inverse(torch.tensor([1]), torch.tensor([1]), 4) == "kernel-result"
     assert package.calls == ["store_mla_rows", "store_mla_rows_fp8", "store_index_rows", "pack_pages",
                              "remap_locs", "build_page_inverse"]
     assert stock == [] and not [r for r in caplog.records if r.name == LOGGER]
@@ -103,7 +102,7 @@ def test_a_failing_kernel_result_comes_from_the_fallback(on_cuda, monkeypatch, c
     _install(monkeypatch, FakePackage(broken={"pack_pages", "remap_locs"}))
     pages = torch.arange(20, dtype=torch.int64).view(5, 4)
     assert torch.equal(kernels.pack_pages(pages, torch.tensor([4, 1])), pages[[4, 1]])
-    inverse = kernels.PageInverse(torch.tensor([5, 0, 9], dtype=torch.int32), torch.tensor([1]), torch.tensor([3]))
+    inverse = torch.tensor([0, 3, 0], dtype=torch.int32)
     assert kernels.remap_locs(torch.tensor([64 + 5, -1]), inverse, 64).tolist() == [3 * 64 + 5, -1]
     assert len(warnings_of(caplog)) == 2
 
@@ -126,9 +125,7 @@ def test_missing_package_warns_once_on_cuda_and_falls_back(on_cuda, monkeypatch,
         assert torch.equal(kernels.pack_pages(pages, torch.tensor([3, 3])), pages[[3, 3]])
         seq_pages, dense_page = torch.tensor([4, 2]), torch.tensor([1, 2])
         inverse = kernels.build_page_inverse(seq_pages, dense_page, 6)
-        assert inverse.table.dtype == torch.int32 and inverse.table[[4, 2]].tolist() == [0, 1]
-        assert kernels.remap_locs(torch.tensor([4 * 64 + 3, 2 * 64, 3 * 64 + 1, -1]), inverse, 64).tolist() == \
-            [64 + 3, 2 * 64, 1, -1]
+        assert inverse.dtype == torch.int32 and inverse.tolist() == [0, 0, 2, 0, 1, 0]
         metadata = SimpleNamespace(max_rank_len=[2, 2], per_rank_actual_token=[2, 1],
                                    reverse_split_len=[1, 1, 1, 0], cp_reverse_index=[0, 2, 3, 1])
         gathered = torch.tensor([[10], [13], [11], [99]])
@@ -141,8 +138,7 @@ def test_missing_package_warns_once_on_cuda_and_falls_back(on_cuda, monkeypatch,
 def test_missing_package_on_cpu_is_not_worth_a_warning(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, kernels.PACKAGE, None)
     kernels.store_mla_rows(*_mla_args(), packed_fp8=False, stock=lambda: None)
-    empty = torch.zeros(0, dtype=torch.int64)
-    kernels.remap_locs(torch.arange(3), kernels.PageInverse(torch.zeros(1, dtype=torch.int32), empty, empty), 64)
+    kernels.remap_locs(torch.arange(3), torch.zeros(1, dtype=torch.int32), 64)
     assert not warnings_of(caplog)
 
 

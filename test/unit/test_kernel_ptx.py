@@ -112,9 +112,8 @@ def test_copies_move_16_byte_words(name, kernel, signature, constexprs, aligned)
 
 def test_remap_and_inverse_kernels_compile_for_sm90():
     for kernel, signature, constexprs in (
-            (K.page_remap._remap_locs_kernel, {"locs_ptr": "*i32", "out_ptr": "*i32", "inv_ptr": "*i32",
-                                               "seq_pages_ptr": I64, "dense_ptr": I64, "n": "i32",
-                                               "num_pages": "i32", "seq_len": "i32"}, {"PAGE_SIZE": 64, "BLOCK": 1024}),
-            (K.page_remap._scatter_inverse_kernel, {"inv_ptr": "*i32", "pages_ptr": I64, "n": "i32"},
+            (K.page_remap._remap_locs_kernel, {"locs_ptr": "*i32", "out_ptr": "*i32", "inv_ptr": "*i32", "n": "i32",
+                                               "num_pages": "i32"}, {"PAGE_SIZE": 64, "BLOCK": 1024}),
+            (K.page_remap._scatter_inverse_kernel, {"inv_ptr": "*i32", "pages_ptr": I64, "dense_ptr": I64, "n": "i32"},
              {"BLOCK": 1024})):
         assert _global_accesses(kernel, signature, constexprs, [])

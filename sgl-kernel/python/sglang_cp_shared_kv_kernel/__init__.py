@@ -22,7 +22,6 @@ from sglang_cp_shared_kv_kernel.mla_store import (
 )
 from sglang_cp_shared_kv_kernel.page_pack import pack_pages, pack_pages_reference
 from sglang_cp_shared_kv_kernel.page_remap import (
-    PageInverse,
     build_page_inverse,
     build_page_inverse_reference,
     remap_locs,
@@ -37,7 +36,7 @@ from sglang_cp_shared_kv_kernel.rerange import (
 )
 
 __all__ = [
-    "PageInverse", "build_page_inverse", "build_page_inverse_reference", "in_seq_segments", "pack_pages",
+    "build_page_inverse", "build_page_inverse_reference", "in_seq_segments", "pack_pages",
     "pack_pages_reference", "remap_locs", "remap_locs_reference", "rerange_in_seq",
     "rerange_in_seq_reference", "rerange_rows", "segment_table", "store_index_rows",
     "store_index_rows_reference", "store_mla_rows", "store_mla_rows_fp8", "store_mla_rows_fp8_reference",
