@@ -19,9 +19,11 @@ tokens (a radix hit; logprobs of its new tokens). The flag-on server runs with
 SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD=1: it needs no decode server for this.
 
 Pass: positions that see <= index_topk keys are bit-identical on and off (top-k keeps
-every key there); beyond, the flag-on deviation stays within the flag-off spread; the
-negative control lands clearly outside it; the startup logs show the same physical
-tokens per rank and twice the logical tokens. JSON summary on stdout and in --out.
+every key there); beyond, the flag-on run's mean deviation from the flag-off run stays
+within the flag-off runs' own mean deviation (+25 %; see ``verdict``); on prompts with
+history the negative control lands clearly outside the spread; the startup logs show
+the same physical tokens per rank and twice the logical tokens. JSON summary on stdout
+and in --out.
 
 Each run's logprobs and startup figures are kept in --workdir, so the four servers can
 be run in separate invocations (--runs off_a,on then --runs off_b,on_corrupt); the
@@ -46,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX_TOPK = 2048
+CHUNK = 2048  # --chunked-prefill-size
 TINY_DSV32 = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 2,
     "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
@@ -96,7 +99,7 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            "--skip-tokenizer-init", "--trust-remote-code", "--tp", "2", "--enable-nsa-prefill-context-parallel",
            "--nsa-prefill-cp-mode", "in-seq-split", "--disable-custom-all-reduce", "--page-size", "64",
            "--mem-fraction-static", "0.5", "--disable-cuda-graph", "--random-seed", "0", "--port", str(port),
-           "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", "2048",
+           "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", str(CHUNK),
            "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch",
            # no decode here: the warm-up decodes, and the overlap scheduler launches a decode step
            # before it sees that a 1-token request is done; a shared-KV prefill rank refuses decode
@@ -147,18 +150,28 @@ def startup_figures(log_text):
 
 
 def compare(results, run, base, start):
-    """(max |run - base| over positions with <= index_topk keys, and beyond)."""
-    near, far = 0.0, 0.0
+    """|run - base| over positions that see <= index_topk keys ("near") and beyond ("far"):
+    near max, far max, far mean."""
+    near, far = [], []
     for i, (a, b) in enumerate(zip(results[run], results[base])):
         if a is None or b is None:
             continue
         keys = start + i  # position of the token whose logprob this is (it sees that many keys)
-        d = abs(a - b)
-        if keys <= INDEX_TOPK:
-            near = max(near, d)
-        else:
-            far = max(far, d)
-    return near, far
+        (near if keys <= INDEX_TOPK else far).append(abs(a - b))
+    return {"near_max": max(near, default=0.0), "far_max": max(far, default=0.0),
+            "far_mean": sum(far) / len(far) if far else 0.0}
+
+
+def verdict(entry, has_history):
+    """Past index_topk every run differs from every other (top-k ties come back in varying
+    order), so "within the spread" compares the mean deviation, which is stable from run
+    to run, with a 25 % margin; a single maximum over ~1K noisy positions is not."""
+    spread, on, corrupt = entry["spread"], entry["on"], entry.get("corrupt")
+    checks = {"near_bit_identical": on["near_max"] == 0.0 and spread["near_max"] == 0.0,
+              "far_within_spread": on["far_mean"] <= 1.25 * spread["far_mean"]}
+    if has_history:  # the control corrupts a gathered history page: only prompts with history see it
+        checks["control_detected"] = max(corrupt["near_max"], corrupt["far_max"]) > 5 * max(spread["far_max"], 1e-3)
+    return checks
 
 
 def main():
@@ -208,11 +221,13 @@ def main():
         entry = {"positions": len(next(iter(results.values()), []))}
         for label, run in (("spread", "off_b"), ("on", "on"), ("corrupt", "on_corrupt")):
             if run in results and "off_a" in results:
-                entry[f"{label}_near"], entry[f"{label}_far"] = compare(results, run, "off_a", start)
+                entry[label] = compare(results, run, "off_a", start)
+        if "on" in results and "off_b" in results:
+            entry["on_vs_off_b"] = compare(results, "on", "off_b", start)
         if complete:
-            entry["pass"] = (entry["on_near"] == 0.0 and entry["spread_near"] == 0.0
-                             and entry["on_far"] <= entry["spread_far"]
-                             and max(entry["corrupt_near"], entry["corrupt_far"]) > 10 * max(entry["spread_far"], 1e-3))
+            has_history = start > 0 or len(requests[prompt][0]) > CHUNK
+            entry["checks"] = verdict(entry, has_history)
+            entry["pass"] = all(entry["checks"].values())
             ok &= entry["pass"]
         report["prompts"][prompt] = entry
     if "off_a" in runs and "on" in runs:

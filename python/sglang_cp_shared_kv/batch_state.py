@@ -178,7 +178,8 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     if not mode.is_extend_without_speculative():
         raise NotImplementedError(
             f"{FLAG}: forward mode {mode.name} on a shared-KV prefill rank; only prefill "
-            "(extend) runs here, decode runs on the decode server")
+            "(extend) runs here, decode runs on the decode server (a non-PD test server needs "
+            "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
     if forward_batch.batch_size != 1:
         raise NotImplementedError(
             f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; NSA in-seq-split "
