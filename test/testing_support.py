@@ -1,5 +1,10 @@
 """Test data and helpers shared by several test modules (not fixtures)."""
 
+import json
+import socket
+import time
+from pathlib import Path
+
 # A tiny DeepSeek-V3.2 (NSA, MLA) config: the shapes of the real model, two dense layers.
 TINY_DSV32 = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
@@ -29,3 +34,60 @@ def shared_kv_kwargs(model_path, **overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rank_processes(ctx, target, n: int, out_dir: str, *, args=(), timeout_s: float,
+                       what: str) -> list:
+    """Start ``target(rank, *args)`` in ``n`` processes of context ``ctx``, wait for all of
+    them (stopping early when one dies or the deadline passes: a rank stuck in a
+    collective must fail the test, not hang it) and return each rank's
+    ``out_dir/rank{r}.json``. Raises when a rank failed or reported ``fatal``."""
+    procs = [ctx.Process(target=target, args=(r, *args), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    deadline, failed = time.monotonic() + timeout_s, None
+    while any(p.is_alive() for p in procs):
+        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+        if dead:
+            failed = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}"
+            break
+        if time.monotonic() > deadline:
+            failed = f"deadline of {timeout_s:.0f}s passed (a rank waiting on a collective?)"
+            break
+        time.sleep(0.05)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    results = []
+    for r in range(n):
+        path = Path(out_dir, f"rank{r}.json")
+        results.append(json.loads(path.read_text()) if path.exists() else {"fatal": "no result file"})
+    fatal = [(r, x["fatal"]) for r, x in enumerate(results) if "fatal" in x]
+    if failed or fatal:
+        raise RuntimeError(f"{what} N={n} failed: {failed or ''} {fatal}")
+    return results
+
+
+def gloo_attention_cp_group(rank: int, n: int, port: int, *, local_rank: int, timeout_s: int):
+    """A gloo world of ``n`` processes and SGLang's attention-CP ``GroupCoordinator`` over
+    it (installed where SGLang's ``get_attention_cp_group`` finds it)."""
+    from datetime import timedelta
+
+    from sglang.srt.distributed import parallel_state as ps
+
+    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=local_rank, backend="gloo",
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=timeout_s)
+    ps._ATTN_CP = ps.GroupCoordinator(
+        group_ranks=[list(range(n))], local_rank=local_rank, torch_distributed_backend="gloo",
+        use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
+        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
+        use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=timeout_s),
+    )
+    return ps._ATTN_CP

@@ -6,19 +6,12 @@ synthesized gathered buffer (test_kernels.py compares the kernel alone with SGLa
 split/cat; this file covers the hook around it). Skipped without CUDA.
 """
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-try:
-    import sglang_cp_shared_kv_kernel as K
-except ImportError:  # a checkout without the editable install (the lent GPU machine)
-    sys.path.insert(0, str(ROOT / "sgl-kernel" / "python"))
-    import sglang_cp_shared_kv_kernel as K
+import sglang_cp_shared_kv_kernel as K  # test/gpu/conftest.py makes it importable
 
 from sglang_cp_shared_kv import in_seq_rerange, kernels  # noqa: E402
 from sglang_cp_shared_kv.config import DEBUG_ENV  # noqa: E402

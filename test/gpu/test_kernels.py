@@ -7,20 +7,13 @@ dispatch (sglang_cp_shared_kv.kernels) running the kernels. Skipped without CUDA
 Run on the H200: python -m pytest -q test/gpu/test_kernels.py
 """
 
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-try:
-    import sglang_cp_shared_kv_kernel as K
-except ImportError:  # a checkout without the editable install (the lent GPU machine)
-    sys.path.insert(0, str(ROOT / "sgl-kernel" / "python"))
-    import sglang_cp_shared_kv_kernel as K
+import sglang_cp_shared_kv_kernel as K  # test/gpu/conftest.py makes it importable
 
 from sglang_cp_shared_kv import kernels  # noqa: E402
 from sglang_cp_shared_kv.config import DEBUG_ENV  # noqa: E402

@@ -34,19 +34,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import numpy as np
 import torch
+from testing_support import free_port, gloo_attention_cp_group, run_rank_processes
 
 PAGE = 64
 KV_LORA_RANK, ROPE_DIM, INDEX_DIM = 512, 64, 128
@@ -65,12 +63,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # ============================================================ parent side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
                  timeout_s: float = 1200.0) -> Dict[str, dict]:
     """Run ``jobs`` = [(scenario, dtype, debug)] on ``n`` ranks, debug being "on", "off" or
@@ -80,33 +72,9 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
 
     out_dir = tempfile.mkdtemp(prefix=f"cp-harness-{n}-")
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, n, port, out_dir, jobs, device),
-                         daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    failed = None
-    while any(p.is_alive() for p in procs):
-        if time.monotonic() > deadline:
-            failed = f"deadline of {timeout_s:.0f}s passed"
-            break
-        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
-        if dead:
-            failed = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}"
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-    per_rank = []
-    for r in range(n):
-        path = Path(out_dir) / f"rank{r}.json"
-        per_rank.append(json.loads(path.read_text()) if path.exists() else {"fatal": "no result file"})
-    fatal = [(r, x["fatal"]) for r, x in enumerate(per_rank) if "fatal" in x]
-    if failed or fatal:
-        raise RuntimeError(f"CP harness N={n} failed: {failed or ''} {fatal}")
+    port = free_port()
+    per_rank = run_rank_processes(ctx, _rank_main, n, out_dir, args=(n, port, out_dir, jobs, device),
+                                  timeout_s=timeout_s, what="CP harness")
     merged: Dict[str, dict] = {}
     for r, result in enumerate(per_rank):
         for key, outcome in result["scenarios"].items():
@@ -144,18 +112,8 @@ def _init_process(rank: int, n: int, port: int, device: str):
         import torch_standins
 
         torch_standins.install()
-    from sglang.srt.distributed import parallel_state as ps
-
     local_rank = 0 if device == "cuda" else rank  # on CUDA all ranks share GPU 0
-    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=local_rank, backend="gloo",
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=300)
-    ps._ATTN_CP = ps.GroupCoordinator(
-        group_ranks=[list(range(n))], local_rank=local_rank, torch_distributed_backend="gloo",
-        use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
-        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
-        use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=300),
-    )
-    return ps._ATTN_CP
+    return gloo_attention_cp_group(rank, n, port, local_rank=local_rank, timeout_s=300)
 
 
 # ================================================================== the rig

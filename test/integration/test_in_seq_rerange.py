@@ -26,20 +26,18 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import traceback
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from testing_support import free_port, gloo_attention_cp_group, run_rank_processes
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 64
@@ -255,19 +253,11 @@ class RankRun:
 def _init_group(rank: int, n: int, port: int):
     """gloo world + SGLang's attention-CP GroupCoordinator over it (as the CP harness)."""
     from sglang.srt import server_args as sa
-    from sglang.srt.distributed import parallel_state as ps
 
-    ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank, backend="gloo",
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=120)
-    ps._ATTN_CP = ps.GroupCoordinator(
-        group_ranks=[list(range(n))], local_rank=rank, torch_distributed_backend="gloo",
-        use_pynccl=False, use_pymscclpp=False, use_custom_allreduce=False,
-        use_torch_symm_mem_all_reduce=False, use_hpu_communicator=False, use_xpu_communicator=False,
-        use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=120),
-    )
-    cpu_all_gather_through_gloo(ps._ATTN_CP)
+    group = gloo_attention_cp_group(rank, n, port, local_rank=rank, timeout_s=120)
+    cpu_all_gather_through_gloo(group)
     sa._global_server_args = server_args()
-    return ps._ATTN_CP
+    return group
 
 
 def cpu_all_gather_through_gloo(group) -> None:
@@ -299,12 +289,6 @@ def _rank_main(rank: int, n: int, port: int, out_dir: str):
 
 
 # ============================================================ parent side
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def fork_context():
     """Rank processes forked from one server that imported SGLang once (a spawned process
@@ -316,31 +300,9 @@ def fork_context():
 
 def run_ranks(ctx, n: int, timeout_s: float = 120.0):
     out_dir = tempfile.mkdtemp(prefix=f"in-seq-rerange-{n}-")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, n, port, out_dir), daemon=True) for r in range(n)]
-    for p in procs:
-        p.start()
-    deadline, failed = time.monotonic() + timeout_s, None
-    while any(p.is_alive() for p in procs):
-        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
-        if dead:
-            failed = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}"
-            break
-        if time.monotonic() > deadline:
-            failed = f"deadline of {timeout_s:.0f}s passed (a rank waiting on a collective?)"
-            break
-        time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-    results = []
-    for r in range(n):
-        path = Path(out_dir, f"rank{r}.json")
-        results.append(json.loads(path.read_text()) if path.exists() else {"fatal": "no result file"})
-    fatal = [(r, x["fatal"]) for r, x in enumerate(results) if "fatal" in x]
-    assert not failed and not fatal, f"N={n}: {failed or ''} {fatal}"
-    return results
+    port = free_port()
+    return run_rank_processes(ctx, _rank_main, n, out_dir, args=(n, port, out_dir), timeout_s=timeout_s,
+                              what="in-seq re-range")
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 8])
