@@ -114,12 +114,14 @@ def dense_metadata(metadata, state: CpSharedBatchState):
 
 
 # ------------------------------------------------------------------------- checks
-def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, pool) -> None:
-    """Debug-mode invariants (synchronise the device)."""
-    layout, page_map = state.layout, state.page_map
+def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
+    """Debug-mode invariants of the batch state, SGLang's ``metadata`` and its ``dense``
+    translation (synchronise the device)."""
+    layout, page_map, seq_len = state.layout, state.page_map, state.seq_len
     page_size = layout.page_size
-    positions = torch.arange(state.seq_len, device=page_table_1.device)
-    logical_table = page_table_1[0, : state.seq_len].to(torch.int64)
+    page_table_1 = metadata.page_table_1
+    positions = torch.arange(seq_len, device=page_table_1.device)
+    logical_table = page_table_1[0, :seq_len].to(torch.int64)
     pages = logical_table // page_size
     if bool((pages <= 0).any()) or bool((pages > pool.size // page_size).any()):
         raise AssertionError(f"{FLAG}: the sequence's page table leaves the logical page range")
@@ -130,9 +132,13 @@ def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, poo
         raise AssertionError(f"{FLAG}: out_cache_loc does not match the page table's chunk rows")
     if bool((state.out_cache_loc[state.extend_len:] >= page_size).any()):
         raise AssertionError(f"{FLAG}: padding rows of out_cache_loc leave the dummy page")
-    expected_dense = page_map.dense_locs_of_positions(positions)
-    if not torch.equal(state.dense_out_locs[: state.extend_len].to(torch.int64), expected_dense[state.prefix_len:]):
+    dense_slots = page_map.dense_token_table(seq_len, seq_len)  # where each position must land
+    if not torch.equal(state.dense_out_locs[: state.extend_len].to(torch.int64), dense_slots[state.prefix_len:]):
         raise AssertionError(f"{FLAG}: the chunk's dense locations are not its positions' dense slots")
+    if not torch.equal(dense.page_table_1[0, :seq_len].to(torch.int64), dense_slots):
+        raise AssertionError(f"{FLAG}: the dense page_table_1 does not address each position's dense slot")
+    if not torch.equal(dense.real_page_table[0, : page_map.num_pages].to(torch.int64), page_map.dense_page):
+        raise AssertionError(f"{FLAG}: the dense real_page_table does not list the sequence's dense pages")
     owners = layout.owner_for_logical_pages(state.out_cache_loc[state.owned_rows] // page_size)
     if bool((owners != layout.cp_rank).any()):
         raise AssertionError(f"{FLAG}: a row selected for this rank is owned by another rank")
@@ -152,15 +158,6 @@ def check_batch_state(state: CpSharedBatchState, page_table_1: torch.Tensor, poo
         "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
         state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
         page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
-
-
-def check_dense_tables(state: CpSharedBatchState, metadata) -> None:
-    """Debug-mode: the translated tables address each position's dense slot."""
-    page_map, seq_len = state.page_map, state.seq_len
-    if not torch.equal(metadata.page_table_1[0, :seq_len].to(torch.int64), page_map.dense_token_table(seq_len, seq_len)):
-        raise AssertionError(f"{FLAG}: the dense page_table_1 does not address each position's dense slot")
-    if not torch.equal(metadata.real_page_table[0, : page_map.num_pages].to(torch.int64), page_map.dense_page):
-        raise AssertionError(f"{FLAG}: the dense real_page_table does not list the sequence's dense pages")
 
 
 # --------------------------------------------------------------------------- hook
@@ -195,11 +192,10 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
         extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
         num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(),
     )
+    dense = dense_metadata(metadata, state)
     if state.debug:
-        check_batch_state(state, metadata.page_table_1, pool)
-    backend.forward_metadata = dense_metadata(metadata, state)
-    if state.debug:
-        check_dense_tables(state, backend.forward_metadata)
+        check_batch_state(state, metadata, dense, pool)
+    backend.forward_metadata = dense
     forward_batch.uses_cp_shared_kv = True
     forward_batch.cp_shared_kv_layout = pool.cp_layout
     forward_batch.cp_shared_kv = state

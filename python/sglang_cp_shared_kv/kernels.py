@@ -199,19 +199,17 @@ def _segments_of(module, metadata, device):
     builds it, and the indexer's key gather may run on a side stream while the latent
     and hidden gathers run on the main one."""
     key = _metadata_key(metadata)
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    cache_key = (key, device, None if stream is None else stream.cuda_stream)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     cached = getattr(metadata, _SEGMENTS_ATTR, None)
-    if cached is None or cached[0] != key:
+    if cached is None or cached[0] != key:  # the lists changed since: start over
         cached = (key, {})
         setattr(metadata, _SEGMENTS_ATTR, cached)
-    entry = cached[1].get(cache_key)
-    if entry is None:
+    tables = cached[1]  # (device, stream) -> entry
+    if (device, stream) not in tables:
         segments = module.in_seq_segments(*key)
-        entry = (module.segment_table(segments, device), max((n for _, _, n in segments), default=0),
-                 sum(metadata.reverse_split_len))
-        cached[1][cache_key] = entry
-    return entry
+        tables[device, stream] = (module.segment_table(segments, device),
+                                  max((n for _, _, n in segments), default=0), sum(metadata.reverse_split_len))
+    return tables[device, stream]
 
 
 def rerange_in_seq(gathered: torch.Tensor, metadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:

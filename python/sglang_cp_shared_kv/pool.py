@@ -154,11 +154,8 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
     @contextmanager
     def index_writes_into(self, layer_id: int, buffer: torch.Tensor):
         """Within the block, the index stores of ``layer_id`` write into ``buffer``."""
-        self._index_write_target = (layer_id, buffer)
-        try:
+        with attributes_set(self, _index_write_target=(layer_id, buffer)):
             yield
-        finally:
-            self._index_write_target = None
 
     def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
         target = self._index_write_target

@@ -91,18 +91,20 @@ def _store_mla_rows_kernel(
     tl.store(buf_ptr + dst[:, None] + NOPE_WORDS + wr[None, :], rope, mask=mr)
 
 
+# Launch shape: 4-32 rows per program with 4-8 warps measured within 5 % of each other on
+# the H200 (2026-11-29, 8K-128K rows; 64 x 8 up to 12 % slower); 16 x 4 was the fastest
+# at 8K and 32K rows.
 STORE_BLOCK_ROWS = 16
 STORE_NUM_WARPS = 4
 
 
 def store_mla_rows(kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
-                   k_nope: torch.Tensor, k_rope: torch.Tensor, *, block_rows: int = 0, num_warps: int = 0) -> None:
+                   k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
     """``kv_buffer[locs[i]] = [k_nope[rows[i]] | k_rope[rows[i]]]`` (bf16/fp16 rows).
 
     ``kv_buffer``: (slots, 1, nope + rope) of the pool's element type; ``k_nope`` /
     ``k_rope``: (n, [1,] dim) rows, cast to that type first if they differ (as SGLang
     does); ``rows``: int32/int64 row indices or None (every row); ``locs``: int32/int64.
-    ``block_rows`` / ``num_warps``: launch shape (0: the tuned defaults).
     """
     n = _check_rows(rows, locs, k_nope, k_rope)
     if not kv_buffer.is_floating_point():
@@ -117,12 +119,11 @@ def store_mla_rows(kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: 
     if buf.shape[1] != nope.shape[1] + rope.shape[1]:
         raise ValueError(f"buffer rows of {kv_buffer.shape[-1]} values cannot hold "
                          f"{k_nope.shape[-1]} + {k_rope.shape[-1]}")
-    block_rows = block_rows or STORE_BLOCK_ROWS
-    _store_mla_rows_kernel[(triton.cdiv(n, block_rows),)](
+    _store_mla_rows_kernel[(triton.cdiv(n, STORE_BLOCK_ROWS),)](
         buf, rows if rows is not None else locs, locs, nope, rope, n, nope.stride(0), rope.stride(0),
         NOPE_WORDS=nope.shape[1], ROPE_WORDS=rope.shape[1],
         NOPE_BLOCK=triton.next_power_of_2(nope.shape[1]), ROPE_BLOCK=triton.next_power_of_2(rope.shape[1]),
-        HAS_ROWS=rows is not None, BLOCK_ROWS=block_rows, num_warps=num_warps or STORE_NUM_WARPS,
+        HAS_ROWS=rows is not None, BLOCK_ROWS=STORE_BLOCK_ROWS, num_warps=STORE_NUM_WARPS,
     )
 
 
