@@ -37,14 +37,17 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "sgl-kernel" / "python", ROOT / "python"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+import torch
 
-import torch  # noqa: E402
+from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
+from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK as NOPE_DIM
+from sglang_cp_shared_kv.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.kv_geometry import index_row_bytes, mla_row_bytes
 
-PAGE = 64
+LATENT_DIM = NOPE_DIM + ROPE_DIM  # 576 bf16 values
+BF16_ROW, FP8_ROW, INDEX_ROW = mla_row_bytes("bf16"), mla_row_bytes("fp8_e4m3"), index_row_bytes()  # 1152, 656, 132
+
 COPY_BANDWIDTH = 4.1e12  # bytes/s: contiguous copy on the H200 (docs/gpu-testing.md: 4,144 GB/s)
 TOKENS = (8 * 1024, 32 * 1024, 128 * 1024)
 CP_SIZES = (2, 4, 8)
@@ -188,9 +191,9 @@ def chunk(tokens, n, device, generator):
 
 def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_measured, dry):
     out_cache_loc, rows, physical, slots = chunk(tokens, n, device, g)
-    latent = torch.randn(tokens, 576, generator=g).bfloat16().to(device)
-    k_nope, k_rope = latent[:, :512].unsqueeze(1), latent[:, 512:].unsqueeze(1)
-    row_bytes = 656 if packed_fp8 else 1152
+    latent = torch.randn(tokens, LATENT_DIM, generator=g).bfloat16().to(device)
+    k_nope, k_rope = latent[:, :NOPE_DIM].unsqueeze(1), latent[:, NOPE_DIM:].unsqueeze(1)
+    row_bytes = FP8_ROW if packed_fp8 else BF16_ROW
     shard = torch.zeros(slots, 1, row_bytes // (1 if packed_fp8 else 2),
                         dtype=torch.uint8 if packed_fp8 else torch.bfloat16, device=device)
     logical_slots = int(out_cache_loc.max()) + PAGE  # a replicated pool holds every row
@@ -214,20 +217,20 @@ def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_mea
             paths["sglang_owned_rows"] = lambda: stock(shard, physical, k_nope.index_select(0, rows),
                                                        k_rope.index_select(0, rows))
             paths["sglang_all_rows"] = lambda: stock(full, out_cache_loc, k_nope, k_rope)
-    moved = {name: owned * (1152 + row_bytes + 16) for name in paths}
-    moved["sglang_all_rows"] = tokens * (1152 + row_bytes + 8)
+    moved = {name: owned * (BF16_ROW + row_bytes + 16) for name in paths}
+    moved["sglang_all_rows"] = tokens * (BF16_ROW + row_bytes + 8)
     add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "row_bytes": row_bytes, "paths": measure(timer, paths, moved, copy_measured)}
 
 
 def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry):
     out_cache_loc, rows, physical, slots = chunk(tokens, n, device, g)
-    key = torch.randn(tokens, 128, generator=g).bfloat16().to(device)
-    shard = torch.zeros(slots // PAGE + 1, PAGE * 132, dtype=torch.uint8, device=device)
+    key = torch.randn(tokens, INDEX_DIM, generator=g).bfloat16().to(device)
+    shard = torch.zeros(slots // PAGE + 1, PAGE * INDEX_ROW, dtype=torch.uint8, device=device)
     owned = rows.numel()
     paths = {"torch_reference": lambda: K.store_index_rows_reference(shard, rows, physical, key)}
     if not dry:
-        full = torch.zeros(int(out_cache_loc.max()) // PAGE + 1, PAGE * 132, dtype=torch.uint8, device=device)
+        full = torch.zeros(int(out_cache_loc.max()) // PAGE + 1, PAGE * INDEX_ROW, dtype=torch.uint8, device=device)
         paths["triton"] = lambda: K.store_index_rows(shard, rows, physical, key)
         if isinstance(sglang["index"], str):
             paths["sglang_owned_rows"] = paths["sglang_all_rows"] = sglang["index"]
@@ -235,14 +238,14 @@ def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry
             jit = sglang["index"]
             paths["sglang_owned_rows"] = lambda: jit(key.index_select(0, rows), shard, physical, PAGE)
             paths["sglang_all_rows"] = lambda: jit(key, full, out_cache_loc, PAGE)
-    moved = {name: owned * (256 + 132 + 16) for name in paths}
-    moved["sglang_all_rows"] = tokens * (256 + 132 + 8)
+    moved = {name: owned * (2 * INDEX_DIM + INDEX_ROW + 16) for name in paths}
+    moved["sglang_all_rows"] = tokens * (2 * INDEX_DIM + INDEX_ROW + 8)
     add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "paths": measure(timer, paths, moved, copy_measured)}
 
 
 KERNELS = ("mla_store_bf16", "mla_store_fp8", "index_store", "page_pack", "page_remap", "rerange")
-PAGE_KINDS = {"mla_bf16": PAGE * 1152, "mla_fp8": PAGE * 656, "index": PAGE * 132}
+PAGE_KINDS = {"mla_bf16": PAGE * BF16_ROW, "mla_fp8": PAGE * FP8_ROW, "index": PAGE * INDEX_ROW}
 
 
 def bench_pack(K, timer, tokens, n, page_bytes, device, g, copy_measured, dry):
@@ -270,7 +273,7 @@ def sort_searchsorted_remap(seq_pages, dense_page, locs):
 
 def bench_remap(K, timer, tokens, n, device, g, copy_measured, dry):
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
 
     pages = -(-tokens // PAGE)
     logical_pages = 4 * pages * n

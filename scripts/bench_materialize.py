@@ -15,6 +15,20 @@ For a request whose history is 8K / 32K / 128K tokens and whose current chunk is
   (``index_select`` of owned pages into the send buffer) time and GB/s.
 
 Usage: python scripts/bench_materialize.py [--chunk 4096] [--cpu-time] > out.json
+
+``--collective``: one process per GPU (``--nprocs``, default every visible GPU; NCCL), or per
+CPU process with ``--backend gloo``. Per layer and per history length, each rank times
+the plugin's own materialize of the history (the dense view allocated as
+``materialize_mla`` / ``materialize_index`` allocate it, the owned pages packed by the
+kernel and all-gathered into it: ``gather_region``), the pack alone, and a plain
+``all_gather_into_tensor`` of the same bytes from a contiguous buffer into a preallocated
+one, interleaved rep by rep in one run. A rep's time is the slowest rank's; the figure is
+the median over reps. Bus bandwidth follows NCCL's convention for all-gather:
+``bytes out / time x (N - 1) / N``. The per-layer shapes of GLM-5 and DeepSeek-V3.2 are
+the same (512 + 64 latent, 128-wide index), so one table serves both; per-forward figures
+multiply by their layer counts (78 and 61).
+
+  torchrun-free:  python scripts/bench_materialize.py --collective [--nprocs 2] > nccl.json
 """
 
 from __future__ import annotations
@@ -22,17 +36,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "python"))
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.kv_geometry import NsaModelShape, index_row_bytes, mla_row_bytes
+from sglang_cp_shared_kv.testing.support import free_port
 
-from sglang_cp_shared_kv.kv_geometry import NsaModelShape  # noqa: E402
-
-PAGE = 64
 HISTORIES = (8 * 1024, 32 * 1024, 128 * 1024)
 CP_SIZES = (2, 4, 8)
 
@@ -58,8 +68,9 @@ def _cpu_worker(rank, n, port, history, row_bytes, reps, out_path):
     import torch.distributed as dist
 
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
-    from sglang_cp_shared_kv.materialize import gather_region, page_words
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.materialize import gather_region, page_words
+    from sglang_cp_shared_kv.kernels import KernelDispatch
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
@@ -73,7 +84,7 @@ def _cpu_worker(rank, n, port, history, row_bytes, reps, out_path):
     for _ in range(reps):
         dist.barrier()
         t = time.perf_counter()
-        gather_region(page_words(dense, page_map.num_dense_pages), page_map.history_region,
+        gather_region(KernelDispatch(), page_words(dense, page_map.num_dense_pages), page_map.history_region,
                       shard, page_map.history_send, dist.group.WORLD)
         times.append(time.perf_counter() - t)
     if rank == 0:
@@ -86,11 +97,8 @@ def cpu_gloo_time(n, history, row_bytes, reps=5):
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = Path(tempfile.mkdtemp()) / "t.json"
-    mp.start_processes(_cpu_worker, args=(n, port, history, row_bytes, reps, str(out)), nprocs=n,
+    mp.start_processes(_cpu_worker, args=(n, free_port(), history, row_bytes, reps, str(out)), nprocs=n,
                        start_method="spawn")
     return json.loads(out.read_text())
 
@@ -99,7 +107,7 @@ def gpu_pack(shape, dtype, n, history):
     import torch
 
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
 
     pages = -(-history // PAGE)
     page_map = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), torch.arange(1, pages + 1, device="cuda"), pages)
@@ -121,6 +129,129 @@ def gpu_pack(shape, dtype, n, history):
     return {"pack_us": round(t * 1e6, 1), "pack_gb_per_s": round(moved / t / 1e9, 1)}
 
 
+# ------------------------------------------------------------------ --collective
+COLLECTIVE_HISTORIES = (8 * 1024, 32 * 1024, 64 * 1024, 128 * 1024)
+COLLECTIVE_KINDS = {  # what one layer's materialize gathers: name -> bytes per token row
+    "mla_bf16": mla_row_bytes("bf16"), "mla_fp8": mla_row_bytes("fp8_e4m3"), "index": index_row_bytes(),
+}
+MODEL_LAYERS = {"glm-5": NsaModelShape.load("glm-5").num_layers,
+                "deepseek-v3.2": NsaModelShape.load("deepseek-v3.2").num_layers}
+
+
+def _timed(fn, device) -> float:
+    """Seconds of one call of ``fn`` on this rank, after every rank has reached it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _collective_worker(rank, nprocs, port, backend, histories, reps, out_path):
+    import torch
+    import torch.distributed as dist
+
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.materialize import gather_region, new_dense_view, page_words
+    from sglang_cp_shared_kv.kernels import KernelDispatch
+
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
+                            device_id=device if device.type == "cuda" else None)
+    group, kernels = dist.group.WORLD, KernelDispatch()
+    layout = CpSharedKVLayout(PAGE, nprocs, rank)
+    rows = []
+    for kind, row_bytes in COLLECTIVE_KINDS.items():
+        for history in histories:
+            pages = -(-history // PAGE)
+            page_map = build_dense_page_map(layout, torch.arange(1, pages + 1, device=device), pages)
+            words = PAGE * row_bytes // 8
+            # this rank's shard: its physical pages 1..M_h (page 0 is the dummy page), random words
+            g = torch.Generator().manual_seed(rank)
+            shard = torch.randint(-2**62, 2**62, (page_map.history_pad + 1, words), generator=g).to(device)
+            send = page_map.history_send
+            contiguous = shard[1: page_map.history_pad + 1].contiguous()
+            plain_out = torch.empty((nprocs * page_map.history_pad, words), dtype=torch.int64, device=device)
+
+            def ours():
+                dense = new_dense_view(shard, page_map.num_dense_pages, 1)  # as the materialize allocates it
+                gather_region(kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
+                              shard, send, group)
+                return dense
+
+            def pack():
+                kernels.pack_pages(shard, send)
+
+            def plain():
+                dist.all_gather_into_tensor(plain_out, contiguous, group=group)
+
+            # correctness first: the dense history region is every rank's pages in order
+            dense = ours()
+            start, end = page_map.history_region
+            dist.all_gather_into_tensor(plain_out, shard.index_select(0, send), group=group)
+            assert torch.equal(dense[start:end], plain_out), "materialize != plain all-gather of the same pages"
+            for fn in (ours, pack, plain):  # warm-up (allocator, NCCL channels, kernel JIT)
+                for _ in range(3):
+                    _timed(fn, device)
+            samples = {"ours": [], "pack": [], "plain": []}
+            for _ in range(reps):  # interleaved, so drift hits all three alike
+                for name, fn in (("ours", ours), ("pack", pack), ("plain", plain)):
+                    samples[name].append(_timed(fn, device))
+            everyone = [None] * nprocs
+            dist.all_gather_object(everyone, samples)
+            if rank == 0:
+                slowest = {name: [max(r[name][i] for r in everyone) for i in range(reps)] for name in samples}
+                median = {name: sorted(v)[len(v) // 2] for name, v in slowest.items()}
+                out_bytes = nprocs * page_map.history_pad * words * 8
+                bus = lambda t: out_bytes / t * (nprocs - 1) / nprocs / 1e9  # noqa: E731
+                rows.append({
+                    "kind": kind, "history_tokens": history, "cp_size": nprocs, "pages_per_rank": page_map.history_pad,
+                    "gathered_bytes": out_bytes,
+                    "ours_us": round(median["ours"] * 1e6, 1), "pack_us": round(median["pack"] * 1e6, 1),
+                    "plain_us": round(median["plain"] * 1e6, 1),
+                    "ours_bus_gb_per_s": round(bus(median["ours"]), 1),
+                    "plain_bus_gb_per_s": round(bus(median["plain"]), 1),
+                    "ours_over_plain_bandwidth": round(median["plain"] / median["ours"], 3),
+                    "per_forward_ms": {model: round(median["ours"] * layers * 1e3, 2)
+                                       for model, layers in MODEL_LAYERS.items()},
+                })
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def collective_bench(nprocs: int, backend: str, histories, reps: int) -> dict:
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+
+    out = Path(tempfile.mkdtemp()) / "collective.json"
+    mp.start_processes(_collective_worker, args=(nprocs, free_port(), backend, list(histories), reps, str(out)),
+                       nprocs=nprocs, start_method="spawn")
+    report = {"backend": backend, "cp_size": nprocs, "reps": reps, "statistic": "median over reps of the slowest rank",
+              "page_size": PAGE, "model_layers": MODEL_LAYERS, "rows": json.loads(out.read_text())}
+    if backend == "nccl":
+        report["gpu"] = torch.cuda.get_device_name(0)
+        report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model-config", default="glm-5")
@@ -128,7 +259,23 @@ def main():
     ap.add_argument("--cpu-time", action="store_true", help="time the gloo collective on CPU processes")
     ap.add_argument("--cpu-max-history", type=int, default=32 * 1024,
                     help="skip CPU timing above this history (memory/time on small machines)")
+    ap.add_argument("--collective", action="store_true",
+                    help="time our materialize against a plain all-gather, one process per rank (see above)")
+    ap.add_argument("--nprocs", type=int, default=0, help="--collective: ranks (default: every visible GPU)")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl", help="--collective: process group backend")
+    ap.add_argument("--histories", default=",".join(str(h) for h in COLLECTIVE_HISTORIES),
+                    help="--collective: comma-separated history lengths in tokens")
+    ap.add_argument("--reps", type=int, default=20, help="--collective: timed reps per path")
     args = ap.parse_args()
+    if args.collective:
+        import torch
+
+        nprocs = args.nprocs or torch.cuda.device_count()
+        if nprocs < 2:
+            ap.error("--collective needs at least 2 ranks (--nprocs, or 2+ visible GPUs)")
+        histories = [int(h) for h in args.histories.split(",")]
+        print(json.dumps(collective_bench(nprocs, args.backend, histories, args.reps), indent=1))
+        return
     shape = NsaModelShape.load(args.model_config)
     try:
         import torch

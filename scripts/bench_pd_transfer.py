@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """PD transfer of one long request, replicated (one sender) vs CP shards (N senders).
 
-Runs SGLang's real Mooncake PD classes over loopback (the harness of the CPU tests,
-test/integration/mooncake_pd_rig.py): for each CP size N, N prefill rank processes and
+Runs SGLang's real Mooncake PD classes over loopback (the rig of the CPU tests,
+``sglang_cp_shared_kv.testing.pd_rig``): for each CP size N, N prefill rank processes and
 one decode process; N = 1 is a replicated prefill without CP and the flag off (one sender,
 SGLang's stock path), N > 1 runs ``--enable-nsa-prefill-cp-shared-kv`` pools where each
 rank holds and sends only the pages it owns. The request is shaped by a shipped model
@@ -34,15 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv.testing import pd_rig as rig
+from sglang_cp_shared_kv.transfer.pages import contiguous_runs, resolve_max_descriptors_per_batch
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test" / "integration"), str(ROOT / "test")]
 
-import mooncake_pd_rig as rig  # noqa: E402
-
-from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-from sglang_cp_shared_kv.transfer import contiguous_runs, resolve_max_descriptors_per_batch  # noqa: E402
-
-PAGE = rig.PAGE
+PAGE = PAGE_SIZE
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv at the repository root: sglang==0.5.12.post1 (torch 2.11), this plugin and
-# its kernel package, installed editable. Safe to re-run (pip skips what is satisfied).
+# Set up .venv at the repository root: sglang==0.5.12.post1 (torch 2.11) and this plugin
+# (with its kernel package, sgl-kernel/), installed editable. Safe to re-run (pip skips what is satisfied).
 #   scripts/bootstrap.sh          runtime only
 #   scripts/bootstrap.sh test     + pytest, hypothesis and the CPU Mooncake engine
 set -euo pipefail
@@ -25,4 +25,4 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec" -e ./sgl-kernel
+.venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"

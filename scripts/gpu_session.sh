@@ -3,6 +3,8 @@
 # run from the repository root with these prepared here and carried along:
 #   .gpu-site/site312.tar.xz   ../shared/tools/gpu-site/build.sh .gpu-site   (sglang + server deps)
 #   .wheels/*.whl              pytest & hypothesis wheels for Python 3.12 (see docs/gpu.md)
+# The plugin, its kernels and its test rigs travel as source: python/ and sgl-kernel/python/
+# go on PYTHONPATH (no install, no sys.path edits in the tests).
 # Usage: scripts/gpu_session.sh [pytest args...]   results go to $OUT (default ./gpu-out)
 #   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
 #   BENCH=0 skips the benchmarks; E2E="off_a,on,..." runs those servers of
@@ -27,7 +29,7 @@ if [ ! -f "$dist/entry_points.txt" ]; then
   sed -n '/^\[project.entry-points."sglang.srt.plugins"\]/,/^$/p' pyproject.toml \
     | sed -e '1s/.*/[sglang.srt.plugins]/' -e 's/"//g' > "$dist/entry_points.txt"
 fi
-export PYTHONPATH="$site:$root/python:$root/sgl-kernel/python:$root/test"
+export PYTHONPATH="$site:$root/python:$root/sgl-kernel/python"
 export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"

@@ -1,9 +1,4 @@
-"""Shared pytest setup: the repository's python/ tree and test helpers are importable."""
-
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT / "test", ROOT / "python"):
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+"""Shared pytest setup. The plugin, its kernels and its test rigs
+(``sglang_cp_shared_kv.testing``) are importable as installed packages
+(``scripts/bootstrap.sh test``; on the GPU machine ``scripts/gpu_session.sh`` puts the
+checkout on PYTHONPATH): no ``sys.path`` edits here."""

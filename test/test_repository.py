@@ -19,9 +19,12 @@ def test_no_code_copied_from_sglang():
 
 
 def test_pure_modules_import_no_sglang():
-    """The layout, geometry and planner run where SGLang is absent (and import fast)."""
+    """The layout, geometry, planner and the transfer arithmetic run where SGLang and torch
+    are absent (and import fast)."""
     code = ("import sys; import sglang_cp_shared_kv.cp_shared_kv_layout, sglang_cp_shared_kv.planner, "
-            "sglang_cp_shared_kv.__main__; print(sorted(m for m in sys.modules if m.split('.')[0] == 'sglang'))")
+            "sglang_cp_shared_kv.__main__, sglang_cp_shared_kv.transfer.pages, "
+            "sglang_cp_shared_kv.transfer.failure_cause; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr

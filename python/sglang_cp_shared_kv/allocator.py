@@ -18,12 +18,11 @@ calls it.
 
 from __future__ import annotations
 
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import debug_enabled
 
 
-class CpSharedPagedTokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
     def __init__(self, size, page_size, dtype, device, kvcache, need_sort):
         layout = getattr(kvcache, "cp_layout", None)
         if layout is None:

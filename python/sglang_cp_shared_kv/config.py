@@ -29,14 +29,11 @@ DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
 #: with and without the flag. A decode step on such a server fails loudly.
 TESTING_ALLOW_NON_PD_ENV = "SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"
 
-#: Mooncake descriptors per PD transfer batch (``transfer.py``): the default, capped by
+#: Mooncake descriptors per PD transfer batch (``transfer/pages.py``): the default, capped by
 #: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when that is set lower, keeps every batch
 #: under the TCP lane's queue (2,048 entries by default).
 TRANSFER_BATCH_DESCRIPTORS_ENV = "SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS"
 DEFAULT_TRANSFER_BATCH_DESCRIPTORS = 1024
-
-#: NSA runs with 64-token pages on CUDA; the layout and the index buffer assume it.
-REQUIRED_PAGE_SIZE = 64
 
 
 def is_enabled(server_args) -> bool:

@@ -3,9 +3,12 @@
 SGLang's ``HookRegistry.apply_hooks`` logs a failing target and carries on, so a
 renamed method would silently turn the feature into a no-op (or half of one). With
 the flag on, :func:`require_hooks_applied` stops startup instead, naming each hook
-that is missing. A hook counts as applied when the registry marked its target patched
-*and* the attribute now on the target wraps our hook function (a later plugin that
-replaced the attribute again is caught too).
+that is missing. A hook counts as applied when the attribute now on its target wraps
+our hook function -- read from the target itself, not from the registry's private
+records, so a later plugin that replaced the attribute again is caught too.
+
+Registration is process-wide by nature (SGLang's ``HookRegistry`` is a class-level
+registry); :func:`registered_hooks` lists what this process registered.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pkgutil
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG
 
 
@@ -33,12 +37,10 @@ _registered: List[HookSpec] = []
 
 
 def register_hooks(specs: Iterable[HookSpec]) -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
     for spec in specs:
         if spec in _registered:  # a second load_plugins() in one process must not stack hooks
             continue
-        HookRegistry.register(spec.target, spec.hook, HookType(spec.hook_type))
+        sg.HookRegistry.register(spec.target, spec.hook, sg.HookType(spec.hook_type))
         _registered.append(spec)
 
 
@@ -69,18 +71,14 @@ def _wraps_hook(installed, hook: Callable) -> bool:
 
 def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
     """One line per hook of ``specs`` (default: all registered) that is not in place."""
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
     problems = []
     for spec in registered_hooks() if specs is None else specs:
         name = f"{spec.hook_type.upper()} {spec.target}"
-        if spec.target not in HookRegistry._patched:
-            problems.append(f"{name}: not applied (see the 'Failed to apply hooks to {spec.target}' log)")
-            continue
         try:
             installed = _installed_attribute(spec.target)
         except (ImportError, AttributeError, ValueError) as exc:
-            problems.append(f"{name}: target no longer resolves ({exc})")
+            problems.append(f"{name}: not applied, the target does not resolve ({exc}; see the "
+                            f"'Failed to apply hooks to {spec.target}' log)")
             continue
         if not _wraps_hook(installed, spec.hook):
             problems.append(f"{name}: the attribute on the target no longer wraps our hook (replaced later?)")

@@ -1,24 +1,21 @@
-"""The plugin's hot-path kernels, each with a fallback that needs neither the kernel
-package nor a GPU.
+"""Which path each hot-path kernel takes: the Triton kernel or its torch reference.
 
-Every function here runs the Triton kernel of the optional package
-``sglang_cp_shared_kv_kernel`` (``sgl-kernel/``, imported lazily on first use) when
+The kernels live in ``sgl-kernel/`` (package ``sglang_cp_shared_kv_kernel``, shipped in
+the same distribution as the plugin), one module per kernel with its torch reference
+beside it. A :class:`KernelDispatch` (one per shared-KV model runner, held by its
+:class:`~sglang_cp_shared_kv.context.CpSharedKVContext`) runs the kernel when
 
-* the package imports,
-* the tensors are on a CUDA device, and
-* debug mode (``SGLANG_DEBUG_CP_SHARED_KV=1``) is off -- debug runs the checked path;
+* the tensors are on a CUDA device,
+* debug mode (``SGLANG_DEBUG_CP_SHARED_KV=1``) is off -- debug runs the checked path, and
+* the kernel has not raised before in this dispatch;
 
-and its fallback otherwise. A kernel that raises is logged once (one warning per
-kernel) and its fallback is used from then on, silently. A missing package on a CUDA
-machine is logged once too. Successful runs log nothing.
+and the reference otherwise. A kernel that raises is logged once (one warning per
+kernel) and its reference is used from then on, silently. Successful runs log nothing.
 
-Fallbacks:
-
-* the two stores (:func:`store_mla_rows`, :func:`store_index_rows`) call ``stock``, the
-  caller's own SGLang store of the same rows, so the fallback writes exactly the bytes
-  SGLang writes (SGLang's fp8 MLA quantiser divides with Triton's approximate
-  ``div.full.f32``, which torch cannot reproduce bit for bit);
-* the others are plain torch, written here so they run without the package.
+The two stores are the exception: their fallback is ``stock``, the caller's own SGLang
+store of the same rows, because SGLang's fp8 MLA quantiser divides with Triton's
+approximate ``div.full.f32``, which torch cannot reproduce bit for bit; the fallback must
+write exactly the bytes SGLang writes.
 
 The choice between kernel and fallback never changes which collectives run: none of
 these functions communicates, and both paths produce the same bytes. A rank that falls
@@ -33,153 +30,121 @@ from typing import Callable, Optional, Sequence, Set, Tuple
 import torch
 
 from sglang_cp_shared_kv.config import debug_enabled
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
 PACKAGE = "sglang_cp_shared_kv_kernel"
 
-_UNSET = object()
-_package_module = _UNSET
-_package_error: Optional[BaseException] = None
-_failed: Set[str] = set()  # kernels that raised once: fallback from now on
-_warned: Set[str] = set()
+
+class KernelPackageMissing(ImportError):
+    """The kernel package (and with it every kernel's reference) does not import."""
 
 
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
-
-
-def _package():
-    global _package_module, _package_error
-    if _package_module is _UNSET:
-        try:
-            import sglang_cp_shared_kv_kernel as module
-        except Exception as exc:  # ImportError, or a broken install (e.g. no triton)
-            module, _package_error = None, exc
-        _package_module = module
-    return _package_module
-
-
-def package_available() -> bool:
-    """Whether the kernel package imports here (imported once, lazily)."""
-    return _package() is not None
+def kernel_package():
+    """The kernel package; raises :class:`KernelPackageMissing` naming the fix."""
+    try:
+        import sglang_cp_shared_kv_kernel as package
+    except Exception as exc:  # ImportError, or a broken install (e.g. no triton)
+        raise KernelPackageMissing(
+            f"the kernel package {PACKAGE} does not import ({type(exc).__name__}: {exc}); it ships "
+            "with sglang-cp-shared-kv: reinstall the plugin (pip install sglang-cp-shared-kv, or "
+            "scripts/bootstrap.sh from a checkout)") from exc
+    return package
 
 
 def _all_on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-def _kernel_package(name: str, tensors: Sequence[torch.Tensor]):
-    """The package when kernel ``name`` should run on ``tensors``, else None."""
-    if name in _failed or debug_enabled() or not _all_on_cuda(tensors):
-        return None
-    module = _package()
-    if module is None:
-        _warn_once("package", "CP shared KV: the kernel package %s is not importable (%s); "
-                   "using the fallback paths", PACKAGE, _package_error)
-    return module
+class KernelDispatch:
+    """Kernel or reference, per call; remembers the kernels that raised (per instance, so
+    two engines in one process, or two test configurations, do not share it)."""
 
+    def __init__(self) -> None:
+        self.failed: Set[str] = set()  # kernels that raised once: reference from now on
 
-def _run(name: str, tensors: Sequence[torch.Tensor], kernel: Callable, fallback: Callable):
-    module = _kernel_package(name, tensors)
-    if module is not None:
-        try:
-            return kernel(module)
-        except Exception as exc:
-            _failed.add(name)
-            _warn_once(name, "CP shared KV: kernel %s failed (%s: %s); using its fallback from now on",
-                       name, type(exc).__name__, exc)
-    return fallback()
+    def _run(self, name: str, tensors: Sequence[torch.Tensor], kernel: Callable, fallback: Callable):
+        package = kernel_package()
+        if name not in self.failed and not debug_enabled() and _all_on_cuda(tensors):
+            try:
+                return kernel(package)
+            except Exception as exc:
+                self.failed.add(name)
+                logger.warning("CP shared KV: kernel %s failed (%s: %s); using its reference from now on",
+                               name, type(exc).__name__, exc)
+        return fallback(package)
 
+    # ---------------------------------------------------------------------- stores
+    def store_mla_rows(self, kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
+                       k_nope: torch.Tensor, k_rope: torch.Tensor, *, packed_fp8: bool,
+                       stock: Callable[[], None]) -> None:
+        """Write row ``rows[i]`` of (k_nope | k_rope) to row ``locs[i]`` of one layer's MLA
+        buffer (``rows=None``: row i), quantised to SGLang's packed fp8 rows when
+        ``packed_fp8`` (the pool's ``nsa_kv_cache_store_fp8``).
 
-def reset_for_tests() -> None:
-    """Forget the imported package, failed kernels and warnings (tests only)."""
-    global _package_module, _package_error
-    _package_module, _package_error = _UNSET, None
-    _failed.clear()
-    _warned.clear()
+        ``kv_buffer``: the layer's buffer as stored (uint8 for packed fp8, else the pool's
+        element type); ``stock()``: SGLang's own store of the same rows (the fallback).
+        """
+        if locs.numel() == 0:
+            return
+        name = "store_mla_rows_fp8" if packed_fp8 else "store_mla_rows"
+        tensors = (kv_buffer, locs, k_nope, k_rope) + ((rows,) if rows is not None else ())
+        self._run(name, tensors, lambda package: getattr(package, name)(kv_buffer, rows, locs, k_nope, k_rope),
+                  lambda package: stock())
 
+    def store_index_rows(self, index_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
+                         key: torch.Tensor, *, stock: Callable[[], None], page_size: int = PAGE_SIZE) -> None:
+        """Quantise index key ``rows[i]`` (``rows=None``: row i) and store its fp8 K and fp32
+        scale at token location ``locs[i]`` of a page-major index buffer (pages, P x 132)
+        uint8; ``stock()``: SGLang's own index store of the same rows (the fallback)."""
+        if locs.numel() == 0:
+            return
+        tensors = (index_buffer, locs, key) + ((rows,) if rows is not None else ())
+        self._run("store_index_rows", tensors,
+                  lambda package: package.store_index_rows(index_buffer, rows, locs, key, page_size),
+                  lambda package: stock())
 
-# ------------------------------------------------------------------------- stores
-def store_mla_rows(kv_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
-                   k_nope: torch.Tensor, k_rope: torch.Tensor, *, packed_fp8: bool,
-                   stock: Callable[[], None]) -> None:
-    """Write row ``rows[i]`` of (k_nope | k_rope) to row ``locs[i]`` of one layer's MLA
-    buffer (``rows=None``: row i), quantised to SGLang's packed fp8 rows when
-    ``packed_fp8`` (the pool's ``nsa_kv_cache_store_fp8``).
+    # ----------------------------------------------------------------- materialize
+    def pack_pages(self, page_words: torch.Tensor, send_pages: torch.Tensor,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``out[k] = page_words[send_pages[k]]`` (pages as rows of int64 words); the send
+        buffer of a materialize all-gather. Returns ``out`` (allocated when None)."""
+        return self._run("pack_pages", (page_words, send_pages),
+                         lambda package: package.pack_pages(page_words, send_pages, out=out),
+                         lambda package: package.pack_pages_reference(page_words, send_pages, out=out))
 
-    ``kv_buffer``: the layer's buffer as stored (uint8 for packed fp8, else the pool's
-    element type); ``stock()``: SGLang's own store of the same rows (the fallback).
-    """
-    if locs.numel() == 0:
-        return
+    # ------------------------------------------------------------------ remapping
+    def build_page_inverse(self, seq_pages: torch.Tensor, dense_page: torch.Tensor, num_logical_pages: int,
+                           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(num_logical_pages,) int32 table: ``dense_page[i]`` at logical page
+        ``seq_pages[i]`` (distinct, never 0), 0 (the dense dummy page) elsewhere."""
+        args = (seq_pages, dense_page, num_logical_pages)
+        return self._run("build_page_inverse", (seq_pages, dense_page),
+                         lambda package: package.build_page_inverse(*args, out=out),
+                         lambda package: package.build_page_inverse_reference(*args, out=out))
 
-    def kernel(module):
-        store = module.store_mla_rows_fp8 if packed_fp8 else module.store_mla_rows
-        store(kv_buffer, rows, locs, k_nope, k_rope)
+    def remap_locs(self, locs: torch.Tensor, page_inverse: torch.Tensor, page_size: int,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Dense locations of logical ``locs`` (any shape; negative entries such as top-k's
+        -1 padding kept; ``page_size=1`` remaps page numbers). Pages outside the table map
+        to the dense dummy page."""
+        return self._run("remap_locs", (locs, page_inverse),
+                         lambda package: package.remap_locs(locs, page_inverse, page_size, out=out),
+                         lambda package: package.remap_locs_reference(locs, page_inverse, page_size, out=out))
 
-    tensors = (kv_buffer, locs, k_nope, k_rope) + ((rows,) if rows is not None else ())
-    _run("store_mla_rows_fp8" if packed_fp8 else "store_mla_rows", tensors, kernel, stock)
+    # -------------------------------------------------------------- in-seq re-range
+    def rerange_in_seq(self, gathered: torch.Tensor, metadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The in-seq-split all-gather output ``gathered`` (rank r's rows in a block of
+        ``max_rank_len[r]`` rows) in sequence order, as SGLang's
+        ``cp_all_gather_rerange_output`` re-orders it. ``metadata``: the batch's
+        ``ContextParallelMetadata``."""
+        def kernel(package):
+            table, longest, total = _segments_of(package, metadata, gathered.device)
+            return package.rerange_rows(gathered, table, longest, total, out=out)
 
-
-def store_index_rows(index_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
-                     key: torch.Tensor, *, stock: Callable[[], None], page_size: int = 64) -> None:
-    """Quantise index key ``rows[i]`` (``rows=None``: row i) and store its fp8 K and fp32
-    scale at token location ``locs[i]`` of a page-major index buffer (pages, P x 132)
-    uint8; ``stock()``: SGLang's own index store of the same rows (the fallback)."""
-    if locs.numel() == 0:
-        return
-    tensors = (index_buffer, locs, key) + ((rows,) if rows is not None else ())
-    _run("store_index_rows", tensors,
-         lambda module: module.store_index_rows(index_buffer, rows, locs, key, page_size), stock)
-
-
-# --------------------------------------------------------------------- materialize
-def pack_pages(page_words: torch.Tensor, send_pages: torch.Tensor,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``out[k] = page_words[send_pages[k]]`` (pages as rows of int64 words); the send
-    buffer of a materialize all-gather. Returns ``out`` (allocated when None)."""
-    def fallback():
-        if out is None:
-            return page_words.index_select(0, send_pages)
-        return torch.index_select(page_words, 0, send_pages, out=out)
-
-    return _run("pack_pages", (page_words, send_pages),
-                lambda module: module.pack_pages(page_words, send_pages, out=out), fallback)
-
-
-# ---------------------------------------------------------------------- remapping
-def build_page_inverse(seq_pages: torch.Tensor, dense_page: torch.Tensor, num_logical_pages: int,
-                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(num_logical_pages,) int32 table: ``dense_page[i]`` at logical page
-    ``seq_pages[i]`` (distinct, never 0), 0 (the dense dummy page) elsewhere."""
-    def fallback():
-        table = torch.zeros(num_logical_pages, dtype=torch.int32, device=seq_pages.device) \
-            if out is None else out.zero_()
-        return table.index_copy_(0, seq_pages.long(), dense_page.to(table.dtype))
-
-    return _run("build_page_inverse", (seq_pages, dense_page),
-                lambda module: module.build_page_inverse(seq_pages, dense_page, num_logical_pages, out=out),
-                fallback)
-
-
-def remap_locs(locs: torch.Tensor, page_inverse: torch.Tensor, page_size: int,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Dense locations of logical ``locs`` (any shape; negative entries such as top-k's
-    -1 padding kept; ``page_size=1`` remaps page numbers). Pages outside the table map
-    to the dense dummy page."""
-    def fallback():
-        logical = locs.long()
-        page = logical // page_size
-        known = (logical >= 0) & (page < page_inverse.numel())
-        dense = torch.where(known, page_inverse.long()[torch.where(known, page, 0)], 0)
-        result = torch.where(logical < 0, logical, dense * page_size + logical % page_size).to(locs.dtype)
-        return result if out is None else out.copy_(result)
-
-    return _run("remap_locs", (locs, page_inverse),
-                lambda module: module.remap_locs(locs, page_inverse, page_size, out=out), fallback)
+        return self._run("rerange_in_seq", (gathered,), kernel,
+                         lambda package: package.rerange_in_seq_reference(gathered, *_metadata_key(metadata), out=out))
 
 
 # ------------------------------------------------------------------ in-seq re-range
@@ -191,7 +156,7 @@ def _metadata_key(metadata) -> Tuple:
             tuple(metadata.reverse_split_len), tuple(metadata.cp_reverse_index))
 
 
-def _segments_of(module, metadata, device):
+def _segments_of(package, metadata, device):
     """(device table, longest segment, total rows) of ``metadata``'s re-order, built once
     per batch and stream (SGLang builds one metadata object per forward) and kept on it.
 
@@ -206,26 +171,7 @@ def _segments_of(module, metadata, device):
         setattr(metadata, _SEGMENTS_ATTR, cached)
     tables = cached[1]  # (device, stream) -> entry
     if (device, stream) not in tables:
-        segments = module.in_seq_segments(*key)
-        tables[device, stream] = (module.segment_table(segments, device),
+        segments = package.in_seq_segments(*key)
+        tables[device, stream] = (package.segment_table(segments, device),
                                   max((n for _, _, n in segments), default=0), sum(metadata.reverse_split_len))
     return tables[device, stream]
-
-
-def rerange_in_seq(gathered: torch.Tensor, metadata, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The in-seq-split all-gather output ``gathered`` (rank r's rows in a block of
-    ``max_rank_len[r]`` rows) in sequence order, as SGLang's
-    ``cp_all_gather_rerange_output`` re-orders it with split/cat. ``metadata``: the
-    batch's ``ContextParallelMetadata``. The fallback is that split/cat re-order."""
-    def kernel(module):
-        table, longest, total = _segments_of(module, metadata, gathered.device)
-        return module.rerange_rows(gathered, table, longest, total, out=out)
-
-    def fallback():
-        blocks = gathered.split(list(metadata.max_rank_len))
-        compact = torch.cat([block[:rows] for block, rows in zip(blocks, metadata.per_rank_actual_token)])
-        pieces = compact.split(list(metadata.reverse_split_len))
-        result = torch.cat([pieces[i] for i in metadata.cp_reverse_index])
-        return result if out is None else out.copy_(result)
-
-    return _run("rerange_in_seq", (gathered,), kernel, fallback)

@@ -9,6 +9,10 @@ Per token and layer an NSA pool stores
 Pool buffer sizes follow SGLang 0.5.12's ``NSATokenToKVPool``: the MLA buffer has
 ``size + page_size`` rows (page 0 is the padding page) and the index buffer has
 ``(size + page_size + 1) // page_size`` pages, per layer.
+
+This module is the one source of these numbers: the page size, the row sizes (and the
+dimensions the kernels are specialised for) are defined here and imported by the planner,
+the pool, the kernels (``sgl-kernel/``) and the tests.
 """
 
 from __future__ import annotations
@@ -23,6 +27,39 @@ BF16_BYTES = 2
 FP32_BYTES = 4
 NOPE_FP8_GROUP = 128  # fp8 MLA nope values share one fp32 scale per group
 INDEX_QUANT_BLOCK = 128  # index K values share one fp32 scale per block
+
+#: Tokens per KV page. NOTE: SGLang forces 64-token pages for NSA models on CUDA, and its
+#: NSA index buffer (and so our layout, kernels and transfer) is built around it.
+PAGE_SIZE = 64
+
+#: The latent and indexer dimensions of every NSA model we support (DeepSeek-V3.2, GLM-5);
+#: the fused store kernels are specialised for them.
+NSA_KV_LORA_RANK = 512
+NSA_QK_ROPE_HEAD_DIM = 64
+NSA_INDEX_HEAD_DIM = 128
+
+
+def mla_row_bytes(kv_cache_dtype: str, kv_lora_rank: int = NSA_KV_LORA_RANK,
+                  qk_rope_head_dim: int = NSA_QK_ROPE_HEAD_DIM) -> int:
+    """Bytes of one token's MLA latent row in one layer: bf16 ``[nope | rope]``, or packed
+    fp8 ``[fp8 nope | fp32 scale per 128 | bf16 rope]``."""
+    if normalize_kv_cache_dtype(kv_cache_dtype) == "bf16":
+        return (kv_lora_rank + qk_rope_head_dim) * BF16_BYTES
+    return kv_lora_rank + kv_lora_rank // NOPE_FP8_GROUP * FP32_BYTES + qk_rope_head_dim * BF16_BYTES
+
+
+def mla_kv_cache_dim(kv_cache_dtype: str, kv_lora_rank: int = NSA_KV_LORA_RANK,
+                     qk_rope_head_dim: int = NSA_QK_ROPE_HEAD_DIM) -> int:
+    """Elements per MLA row as SGLang's pool stores it (``kv_cache_dim``): bf16 values
+    (576), or the bytes of a packed fp8 row (656)."""
+    if normalize_kv_cache_dtype(kv_cache_dtype) == "bf16":
+        return kv_lora_rank + qk_rope_head_dim
+    return mla_row_bytes(kv_cache_dtype, kv_lora_rank, qk_rope_head_dim)
+
+
+def index_row_bytes(index_head_dim: int = NSA_INDEX_HEAD_DIM) -> int:
+    """Bytes of one token's indexer K (fp8) + scale (fp32 per 128 values) in one layer (132)."""
+    return index_head_dim + index_head_dim // INDEX_QUANT_BLOCK * FP32_BYTES
 
 KV_CACHE_DTYPES = ("bf16", "fp8_e4m3")
 _KV_DTYPE_ALIASES = {"bf16": "bf16", "bfloat16": "bf16", "auto": "bf16", "fp8_e4m3": "fp8_e4m3"}
@@ -121,16 +158,12 @@ class NsaModelShape:
     # ----------------------------------------------------------------- row bytes
     def mla_row_bytes(self, kv_cache_dtype: str) -> int:
         """Bytes of one token's MLA latent row in one layer."""
-        dtype = normalize_kv_cache_dtype(kv_cache_dtype)
-        if dtype == "bf16":
-            return (self.kv_lora_rank + self.qk_rope_head_dim) * BF16_BYTES
-        scales = self.kv_lora_rank // NOPE_FP8_GROUP * FP32_BYTES
-        return self.kv_lora_rank + scales + self.qk_rope_head_dim * BF16_BYTES
+        return mla_row_bytes(kv_cache_dtype, self.kv_lora_rank, self.qk_rope_head_dim)
 
     @property
     def index_row_bytes(self) -> int:
         """Bytes of one token's indexer K + scale in one layer."""
-        return self.index_head_dim + self.index_head_dim // INDEX_QUANT_BLOCK * FP32_BYTES
+        return index_row_bytes(self.index_head_dim)
 
     def token_bytes_all_layers(self, kv_cache_dtype: str) -> int:
         return (self.mla_row_bytes(kv_cache_dtype) + self.index_row_bytes) * self.num_layers

@@ -2,24 +2,36 @@
 
 SGLang's capacity and usage metrics (``sglang:max_total_num_tokens``, token usage,
 ``num_pages``) stay *logical*: they describe what the scheduler can admit. With the
-flag on, ``SchedulerMetricsCollector.emit_constants`` AFTER adds the physical side:
+flag on and ``--enable-metrics``, the hook below adds the physical side, with the same
+labels as SGLang's gauges:
 
 * ``sglang:cp_shared_kv_physical_tokens_per_rank`` - tokens one rank's pool stores;
 * ``sglang:cp_shared_kv_cp_size`` - ranks the logical capacity is spread over;
 * ``sglang:cp_shared_kv_kv_gb_per_rank`` - the per-rank KV buffers in GB (2**30 B).
+
+The figures come from the scheduler's own model runner (its pool's context), not from
+any process-wide record. NOTE: SGLang emits its constants at the end of
+``Scheduler.init_model_worker``, but ``sglang.srt.managers.scheduler`` does not import
+without a GPU, so a hook there could not be verified on CPU machines. ``Scheduler.__init__``
+calls ``SchedulerMetricsMixin.install_device_timer_on_runners`` right after it
+(0.5.12.post1 ``managers/scheduler.py:437-438``), once, with the model worker and the
+metrics collector in place: our gauges are set AFTER that call.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
-from sglang_cp_shared_kv.capacity import current_split
+from sglang_cp_shared_kv.capacity import context_of
+from sglang_cp_shared_kv.context import CapacitySplit
 
 _GAUGES = (
     ("physical_tokens_per_rank", "KV tokens one CP rank physically stores (shared KV)."),
     ("cp_size", "CP ranks the logical KV capacity is sharded over (shared KV)."),
     ("kv_gb_per_rank", "KV cache buffers per CP rank in GB (shared KV)."),
 )
+# NOTE: prometheus_client's registry is process-wide and refuses a second gauge of one
+# name, so the gauge objects are kept per process too (they hold no per-runner values).
 _gauges: Dict[Tuple[str, Tuple[str, ...]], object] = {}
 
 
@@ -37,12 +49,25 @@ def _gauge(field: str, doc: str, labelnames: Tuple[str, ...]):
     return _gauges[key]
 
 
-def emit_physical_capacity(result, collector, *args, **kwargs):
-    """AFTER ``SchedulerMetricsCollector.emit_constants``."""
-    split = current_split()
-    if split is None:  # flag off, or no shared-KV pool in this process
-        return result
+def emit_capacity(collector, split: CapacitySplit) -> None:
+    """Set our gauges, labelled as ``collector`` (SGLang's ``SchedulerMetricsCollector``)."""
     labels = dict(collector.labels)
     for field, doc in _GAUGES:
         _gauge(field, doc, tuple(labels)).labels(**labels).set(getattr(split, field))
+
+
+def scheduler_split(scheduler) -> Optional[CapacitySplit]:
+    """The capacity split of the scheduler's model runner (None: flag off, or no pool)."""
+    runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
+    context = context_of(runner)
+    return None if context is None else context.split
+
+
+def emit_physical_capacity(result, scheduler, *args, **kwargs):
+    """AFTER ``SchedulerMetricsMixin.install_device_timer_on_runners`` (the scheduler's
+    next call after ``init_model_worker``, where SGLang emits its own constants)."""
+    split = scheduler_split(scheduler)
+    collector = getattr(scheduler, "metrics_collector", None)
+    if split is not None and getattr(scheduler, "enable_metrics", False) and collector is not None:
+        emit_capacity(collector, split)
     return result

@@ -10,9 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, logical_tokens_for
-from sglang_cp_shared_kv.kv_geometry import GIB, NsaModelShape, normalize_kv_cache_dtype
-
-PAGE_SIZE = 64  # NSA on CUDA runs with 64-token pages (SGLang forces it)
+from sglang_cp_shared_kv.kv_geometry import GIB, PAGE_SIZE, NsaModelShape, normalize_kv_cache_dtype
 
 
 @dataclass(frozen=True)

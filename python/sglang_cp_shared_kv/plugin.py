@@ -1,22 +1,27 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``cp_shared_kv``).
 
-``register`` only registers hooks; each hook lives in the module of its concern
-and passes straight through to SGLang unless ``--enable-nsa-prefill-cp-shared-kv``
-is set. With the flag on, startup verifies that every hook below is in place
+``register`` only registers hooks. :data:`HOOKS` is the one table of every SGLang
+target the plugin hooks (the SGLang symbols it imports are the other table,
+:mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
+passes straight through to SGLang unless ``--enable-nsa-prefill-cp-shared-kv`` is set.
+With the flag on, startup verifies that every hook below is in place
 (:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start otherwise.
 """
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv import batch_state, capacity, in_seq_rerange, materialize, metrics, server_args, writes
-from sglang_cp_shared_kv import transfer
+from sglang_cp_shared_kv import capacity, metrics, server_args
+from sglang_cp_shared_kv.forward import hooks as forward
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
+from sglang_cp_shared_kv.transfer import hooks as transfer
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
-_METRICS = "sglang.srt.observability.metrics_collector.SchedulerMetricsCollector"
+_SCHEDULER_METRICS = "sglang.srt.observability.scheduler_metrics_mixin.SchedulerMetricsMixin"
 _NSA_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 _INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
+_MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
+_PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 
 HOOKS = (
     # --- the flag, validation, capacity, metrics
@@ -27,25 +32,27 @@ HOOKS = (
     HookSpec(f"{_KV_MIXIN}._resolve_memory_pool_config", capacity.split_capacity, "after"),
     HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),
     HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
-    HookSpec(f"{_METRICS}.emit_constants", metrics.emit_physical_capacity, "after"),
-    # --- forward path: owner-only writes, full-view reads
-    HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", batch_state.attach_batch_state, "after"),
-    HookSpec(f"{_INDEXER}._store_index_k_cache", writes.store_index_k_owned_and_dense, "around"),
-    HookSpec(f"{_NSA_BACKEND}.forward_extend", materialize.forward_extend_on_dense_view, "around"),
+    HookSpec(f"{_SCHEDULER_METRICS}.install_device_timer_on_runners", metrics.emit_physical_capacity, "after"),
+    # --- forward path: owner-only writes, dense-view reads
+    HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
+    HookSpec(f"{_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),
+    HookSpec(f"{_NSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
     # the in-seq CP all-gather (latent, index key, hidden) re-ordered by one kernel; the
     # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
     HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
-             in_seq_rerange.all_gather_in_seq_order, "around"),
+             forward.all_gather_in_seq_order, "around"),
     # --- PD transfer of each rank's shard
     HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.sync_status_to_decode_endpoint", transfer.report_failure_cause_to_decode, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
-    HookSpec("sglang.srt.disaggregation.mooncake.conn.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
+    HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
+             transfer.report_failure_cause_to_decode, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
 )
 
 

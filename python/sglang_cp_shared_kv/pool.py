@@ -3,7 +3,9 @@
 ``CpSharedNSATokenToKVPool`` is an ``NSATokenToKVPool`` whose buffers (MLA latent rows
 and indexer pages) hold only this rank's physical pages, while ``size`` reports the
 logical capacity: SGLang asserts page-table bounds against ``token_to_kv_pool.size``
-and every page table it builds carries logical locations.
+and every page table it builds carries logical locations. It holds the rank's
+:class:`~sglang_cp_shared_kv.context.CpSharedKVContext` (``context``) and the state of
+the forward in flight (``batch_state``, the one home of the per-batch state).
 
 It is installed only by :func:`use_cp_shared_pool_classes`, which swaps the pool and
 allocator classes that ``ModelRunnerKVCacheMixin._init_pools`` looks up, for the
@@ -12,10 +14,10 @@ are everywhere else (HiSparse ``isinstance`` checks, a decode server in the same
 environment).
 
 KV access during a forward (the batch state comes from the ``init_forward_metadata``
-hook, the dense views from the per-layer hooks in :mod:`writes` and :mod:`materialize`):
+hook, the dense views from the per-layer hooks of :mod:`sglang_cp_shared_kv.forward`):
 
 * ``set_mla_kv_buffer`` writes only the rows this rank owns, at physical locations
-  (every CUDA MLA writer goes through it);
+  (every CUDA MLA writer goes through it; :func:`forward.writes.store_owned_mla_rows`);
 * ``get_key_buffer`` and the index readers serve the layer's *dense view* (the
   materialized scratch the remapped page tables address) and refuse when there is
   none, rather than read physical rows with dense or logical locations;
@@ -30,38 +32,39 @@ from contextlib import contextmanager
 from typing import ClassVar, Optional, Tuple
 
 import torch
-from sglang.srt.layers.attention.nsa import index_buf_accessor
-from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
-from sglang_cp_shared_kv import kernels
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.context import CpSharedKVContext
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.forward.writes import store_owned_mla_rows
 from sglang_cp_shared_kv.scoped import attributes_set
-from sglang_cp_shared_kv.writes import owned_rows_of
 
 logger = logging.getLogger(__name__)
 
 
-class CpSharedNSATokenToKVPool(NSATokenToKVPool):
+class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
     """NSA pool of ``size // cp_size`` physical tokens exposing ``size`` logical tokens.
 
     Constructor arguments are ``NSATokenToKVPool``'s, with ``size`` the *logical*
     capacity (what SGLang's ``_init_pools`` passes once the capacity hook has run),
-    plus the layout, given explicitly or bound to the class by :meth:`bound_to`.
+    plus the rank's context, given explicitly or bound to the class by :meth:`bound_to`.
     """
 
-    bound_layout: ClassVar[Optional[CpSharedKVLayout]] = None
+    bound_context: ClassVar[Optional[CpSharedKVContext]] = None
 
     @classmethod
-    def bound_to(cls, layout: CpSharedKVLayout) -> type:
-        """A subclass whose instances use ``layout`` (SGLang constructs the pool itself)."""
-        return type(cls.__name__, (cls,), {"bound_layout": layout, "__module__": cls.__module__})
+    def bound_to(cls, context: CpSharedKVContext) -> type:
+        """A subclass whose instances use ``context`` (SGLang constructs the pool itself)."""
+        return type(cls.__name__, (cls,), {"bound_context": context, "__module__": cls.__module__})
 
-    def __init__(self, size: int, page_size: int, *args, layout: Optional[CpSharedKVLayout] = None,
+    def __init__(self, size: int, page_size: int, *args, context: Optional[CpSharedKVContext] = None,
                  index_buf_size: Optional[int] = None, **kwargs):
-        layout = layout or self.bound_layout
-        if layout is None:
-            raise TypeError(f"{type(self).__name__} needs a CpSharedKVLayout (layout= or bound_to())")
+        context = context or self.bound_context
+        if context is None:
+            raise TypeError(f"{type(self).__name__} needs a CpSharedKVContext (context= or bound_to())")
+        layout = context.layout
         if layout.page_size != page_size:
             raise ValueError(f"layout page size {layout.page_size} != pool page size {page_size}")
         physical_size = layout.physical_tokens(size)
@@ -70,19 +73,24 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
                 f"index_buf_size={index_buf_size} differs from the pool size {size}; "
                 "only HiSparse sets it, and HiSparse is not supported with shared KV"
             )
-        self.cp_layout = layout
+        self.context = context
         self.physical_size = physical_size
         super().__init__(physical_size, page_size, *args, index_buf_size=physical_size, **kwargs)
         # SGLang bounds-checks logical page tables against `size`; buffers stay physical.
         self.size = size
         self.logical_size = size
-        self.batch_state = None
+        self.batch_state: Optional[CpSharedBatchState] = None
         self._mla_view: Optional[Tuple[int, torch.Tensor]] = None
         self._index_view: Optional[Tuple[int, torch.Tensor]] = None
         self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
 
+    @property
+    def cp_layout(self):
+        """This rank's layout (the context's)."""
+        return self.context.layout
+
     # ---------------------------------------------------------------- per batch
-    def begin_batch(self, state) -> None:
+    def begin_batch(self, state: CpSharedBatchState) -> None:
         self.end_batch()
         self.batch_state = state
 
@@ -117,31 +125,7 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
     # ---------------------------------------------------------------- MLA rows
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
         """Write the rows this rank owns at their physical locations; drop the rest."""
-        rows, physical_locs = owned_rows_of(self, loc)
-        if not rows.numel():
-            return
-
-        def stock():
-            super(CpSharedNSATokenToKVPool, self).set_mla_kv_buffer(
-                layer, physical_locs, cache_k_nope.index_select(0, rows), cache_k_rope.index_select(0, rows))
-
-        kernels.store_mla_rows(self.physical_kv_buffer(layer.layer_id), rows, physical_locs, cache_k_nope,
-                               cache_k_rope, packed_fp8=self.nsa_kv_cache_store_fp8, stock=stock)
-
-    def store_rows_into(self, buffer: torch.Tensor, layer, locs, cache_k_nope, cache_k_rope) -> None:
-        """SGLang's MLA store (incl. fp8 quantization) of every row into ``buffer`` at ``locs``:
-        the bytes are exactly those a stock pool would hold for these rows."""
-        def stock():
-            index = layer.layer_id - self.start_layer
-            physical = self.kv_buffer[index]
-            self.kv_buffer[index] = buffer  # SGLang's store writes self.kv_buffer[layer]
-            try:
-                super(CpSharedNSATokenToKVPool, self).set_mla_kv_buffer(layer, locs, cache_k_nope, cache_k_rope)
-            finally:
-                self.kv_buffer[index] = physical
-
-        kernels.store_mla_rows(buffer, None, locs, cache_k_nope, cache_k_rope,
-                               packed_fp8=self.nsa_kv_cache_store_fp8, stock=stock)
+        store_owned_mla_rows(self, layer, loc, cache_k_nope, cache_k_rope)
 
     def get_key_buffer(self, layer_id: int):
         dense = self._view(self._mla_view, layer_id, "the MLA KV")
@@ -167,22 +151,22 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
         return target[1]
 
     def set_index_k_scale_buffer(self, layer_id, loc, index_k, index_k_scale) -> None:
-        index_buf_accessor.SetKAndS.execute(
+        sg.index_buf_accessor.SetKAndS.execute(
             pool=self, buf=self.get_index_k_with_scale_buffer(layer_id), loc=loc,
             index_k=index_k, index_k_scale=index_k_scale,
         )
 
     def get_index_k_continuous(self, layer_id, seq_len, page_indices):
         buf = self._view(self._index_view, layer_id, "the index K")
-        return index_buf_accessor.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
+        return sg.index_buf_accessor.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
     def get_index_k_scale_continuous(self, layer_id, seq_len, page_indices):
         buf = self._view(self._index_view, layer_id, "the index K scale")
-        return index_buf_accessor.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
+        return sg.index_buf_accessor.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
     def get_index_k_scale_buffer(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
         buf = self._view(self._index_view, layer_id, "the index K and scale")
-        return index_buf_accessor.GetKAndS.execute(
+        return sg.index_buf_accessor.GetKAndS.execute(
             self, buf, page_indices=page_indices, seq_len_tensor=seq_len_tensor,
             seq_len_sum=seq_len_sum, max_seq_len=max_seq_len,
         )
@@ -205,12 +189,9 @@ class CpSharedNSATokenToKVPool(NSATokenToKVPool):
 
 
 @contextmanager
-def use_cp_shared_pool_classes(layout: CpSharedKVLayout):
-    """Within the block, ``_init_pools`` builds our pool and allocator classes."""
-    from sglang.srt.model_executor import model_runner_kv_cache_mixin as mixin
-
-    from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-
-    with attributes_set(mixin, NSATokenToKVPool=CpSharedNSATokenToKVPool.bound_to(layout),
+def use_cp_shared_pool_classes(context: CpSharedKVContext):
+    """Within the block, ``_init_pools`` builds our pool (bound to ``context``) and allocator."""
+    with attributes_set(sg.model_runner_kv_cache_mixin,
+                        NSATokenToKVPool=CpSharedNSATokenToKVPool.bound_to(context),
                         PagedTokenToKVPoolAllocator=CpSharedPagedTokenToKVPoolAllocator):
         yield

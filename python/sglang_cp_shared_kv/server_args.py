@@ -20,15 +20,19 @@ from __future__ import annotations
 import logging
 from typing import Any, List, Optional
 
+import torch
+
+from sglang_cp_shared_kv import hook_check, kernels
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import (
     FLAG,
     FLAG_DEST,
     FLAG_HELP,
-    REQUIRED_PAGE_SIZE,
     TESTING_ALLOW_NON_PD_ENV,
     is_enabled,
     testing_non_pd_allowed,
 )
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +70,7 @@ def from_cli_args_with_flag(original, cls, args, *rest, **kwargs):
 def validate_after_stock_checks(result, server_args, *args, **kwargs):
     """AFTER ``ServerArgs.check_server_args`` (main process)."""
     if is_enabled(server_args):
-        from sglang_cp_shared_kv.hook_check import require_hooks_applied
-
-        require_hooks_applied("main process")
+        hook_check.require_hooks_applied("main process")
         validate(server_args)
         if server_args.disaggregation_mode == "null":
             logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
@@ -80,9 +82,7 @@ def validate_after_stock_checks(result, server_args, *args, **kwargs):
 
 # ------------------------------------------------------------------------ validation
 def _env_flag(name: str) -> bool:
-    from sglang.srt.environ import envs
-
-    return bool(getattr(envs, name).get())
+    return bool(getattr(sg.envs, name).get())
 
 
 def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optional[bool] = None) -> List[str]:
@@ -91,9 +91,6 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
     ``hf_config``/``use_mla`` default to what ``server_args`` resolves; a scheduler
     process passes its model runner's values.
     """
-    import torch
-    from sglang.srt.configs.model_config import is_deepseek_nsa
-
     if hf_config is None:
         hf_config = server_args.get_model_config().hf_config
     if use_mla is None:
@@ -109,7 +106,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "shared KV runs on CUDA GPUs only for now; run the prefill server on NVIDIA GPUs "
                "or drop the flag.")
     architectures = getattr(hf_config, "architectures", None) or ["?"]
-    if not is_deepseek_nsa(hf_config):
+    if not sg.is_deepseek_nsa(hf_config):
         refuse(f"--model-path {server_args.model_path} ({architectures[0]})",
                "shared KV shards the NSA indexer and MLA caches of DeepSeek-V3.2 / GLM-5 style "
                "models; this model is not NSA. Drop the flag for this model.")
@@ -130,10 +127,10 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "there is nothing to shard with one CP rank; with "
                "--enable-nsa-prefill-context-parallel the CP size is --tp-size / --dp-size, so "
                "use --tp-size 2 or more.")
-    if server_args.page_size != REQUIRED_PAGE_SIZE:
+    if server_args.page_size != PAGE_SIZE:
         refuse(f"--page-size {server_args.page_size}",
-               f"the page-interleaved layout and the NSA index buffer use {REQUIRED_PAGE_SIZE}-token "
-               f"pages; set --page-size {REQUIRED_PAGE_SIZE}.")
+               f"the page-interleaved layout and the NSA index buffer use {PAGE_SIZE}-token "
+               f"pages; set --page-size {PAGE_SIZE}.")
     prefill_backend = getattr(server_args, "nsa_prefill_backend", None)
     if prefill_backend is not None and prefill_backend not in SUPPORTED_NSA_PREFILL_BACKENDS:
         refuse(f"--nsa-prefill-backend {prefill_backend}",
@@ -179,6 +176,10 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
     if server_args.prefill_only_disable_kv_cache:
         refuse("--prefill-only-disable-kv-cache",
                "shared KV needs the paged KV cache; remove --prefill-only-disable-kv-cache.")
+    try:
+        kernels.kernel_package()
+    except kernels.KernelPackageMissing as exc:
+        refuse("the plugin installation", f"{exc}.")
     return problems
 
 

@@ -54,7 +54,7 @@ if os.environ.get("CPSKV_E2E") == "1":
             m, "initialize_dummy_weights", _non_degenerate(m.initialize_dummy_weights)),
     }
     if os.environ.get("CPSKV_E2E_CORRUPT_RANK"):
-        _PATCHES["sglang_cp_shared_kv.materialize"] = lambda m: setattr(
+        _PATCHES["sglang_cp_shared_kv.forward.materialize"] = lambda m: setattr(
             m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):

@@ -1,18 +1,10 @@
 """GPU tests: marked ``gpu`` and skipped where no CUDA device is present.
 
-The kernel package is importable from the checkout too (the lent GPU machine runs
-without the editable install)."""
-
-import sys
-from pathlib import Path
+On the lent GPU machine the checkout's ``python/`` and ``sgl-kernel/python/`` are on
+PYTHONPATH (``scripts/gpu_session.sh``); elsewhere the editable install provides them."""
 
 import pytest
 import torch
-
-try:
-    import sglang_cp_shared_kv_kernel  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "sgl-kernel" / "python"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,8 @@
 (no torch stand-ins): several ranks share the one GPU over gloo."""
 
 import pytest
-from integration.cp_harness import run_cp_group
+
+from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback", "corrupted_shard_is_detected")

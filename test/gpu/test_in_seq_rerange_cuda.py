@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_cp_shared_kv_kernel as K  # test/gpu/conftest.py makes it importable
+import sglang_cp_shared_kv_kernel as K
+from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.context import CpSharedKVContext
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.forward import hooks
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
-from sglang_cp_shared_kv import in_seq_rerange, kernels  # noqa: E402
-from sglang_cp_shared_kv.config import DEBUG_ENV  # noqa: E402
-from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-
-PAGE = 64
 DEVICE = "cuda"
 
 
@@ -45,16 +45,14 @@ def cp(monkeypatch):
     monkeypatch.setattr(sa, "_global_server_args", SimpleNamespace(
         enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode="in-seq-split", enable_symm_mem=False))
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    kernels.reset_for_tests()
     launches = []
     real = K.rerange_rows
     monkeypatch.setattr(K, "rerange_rows", lambda *a, **k: (launches.append(1), real(*a, **k))[1])
     pool = CpSharedNSATokenToKVPool(
-        2 * PAGE * 2, layout=CpSharedKVLayout(PAGE, 2, 0), page_size=PAGE, kv_lora_rank=512,
+        2 * PAGE * 2, context=CpSharedKVContext(CpSharedKVLayout(PAGE, 2, 0)), page_size=PAGE, kv_lora_rank=512,
         dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1, device=DEVICE, index_head_dim=128,
         enable_memory_saver=False, kv_cache_dim=576)
     yield SimpleNamespace(cp_utils=cp_utils, monkeypatch=monkeypatch, pool=pool, launches=launches)
-    kernels.reset_for_tests()
 
 
 def batch(cp, seed, width):
@@ -83,10 +81,10 @@ def test_hook_runs_the_kernel_and_equals_sglang(cp, seed, width):
     stream = torch.cuda.current_stream()
     theirs = cp.cp_utils.cp_all_gather_rerange_output(rows, n, fb, stream)
     their_calls, group.calls = group.calls, []
-    ours = in_seq_rerange.all_gather_in_seq_order(cp.cp_utils.cp_all_gather_rerange_output, rows, n, fb, stream)
+    ours = hooks.all_gather_in_seq_order(cp.cp_utils.cp_all_gather_rerange_output, rows, n, fb, stream)
     assert same_bytes(ours, theirs)
     assert group.calls == their_calls and len(their_calls) == 1
-    assert cp.launches == [1] and not kernels._failed
+    assert cp.launches == [1] and not cp.pool.context.kernels.failed
 
 
 def test_failing_kernel_falls_back_after_the_same_all_gather(cp):
@@ -100,10 +98,9 @@ def test_failing_kernel_falls_back_after_the_same_all_gather(cp):
     cp.monkeypatch.setattr(K, "rerange_rows", broken)
     for _ in range(2):  # the failing launch, then the remembered fallback
         group.calls = []
-        ours = in_seq_rerange.all_gather_in_seq_order(cp.cp_utils.cp_all_gather_rerange_output, rows, n, fb,
-                                                      stream)
+        ours = hooks.all_gather_in_seq_order(cp.cp_utils.cp_all_gather_rerange_output, rows, n, fb, stream)
         assert same_bytes(ours, theirs) and len(group.calls) == 1
-    assert kernels._failed == {"rerange_in_seq"}
+    assert cp.pool.context.kernels.failed == {"rerange_in_seq"}
 
 
 def test_debug_mode_runs_sglang(cp):
@@ -115,5 +112,5 @@ def test_debug_mode_runs_sglang(cp):
         called.append(args)
         return cp.cp_utils.cp_all_gather_rerange_output(*args)
 
-    in_seq_rerange.all_gather_in_seq_order(original, rows, n, fb, None)
+    hooks.all_gather_in_seq_order(original, rows, n, fb, None)
     assert len(called) == 1 and cp.launches == []

@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_cp_shared_kv_kernel as K  # test/gpu/conftest.py makes it importable
+import sglang_cp_shared_kv_kernel as K
+from sglang_cp_shared_kv import kernels
+from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
-from sglang_cp_shared_kv import kernels  # noqa: E402
-from sglang_cp_shared_kv.config import DEBUG_ENV  # noqa: E402
-from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-
-PAGE = 64
 DEVICE = "cuda"
 SEEDS = range(6)
 
@@ -208,7 +208,7 @@ def test_pack_pages_equals_index_select(seed, page_bytes):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_page_inverse_and_remap_equal_references(seed, dtype):
-    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
 
     g = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 9, (1,), generator=g))
@@ -266,32 +266,32 @@ def test_rerange_equals_sglang(monkeypatch, seed, width, dtype):
              metadata.cp_reverse_index)
     assert torch.equal(K.rerange_in_seq(gathered, *lists), theirs)
     assert torch.equal(K.rerange_in_seq_reference(gathered, *lists), theirs)
-    kernels.reset_for_tests()
-    assert torch.equal(kernels.rerange_in_seq(gathered, metadata), theirs)
-    assert not kernels._failed
+    dispatch = KernelDispatch()
+    assert torch.equal(dispatch.rerange_in_seq(gathered, metadata), theirs)
+    assert not dispatch.failed
 
 
 # ------------------------------------------------------------ the plugin's dispatch
 def test_plugin_dispatch_runs_the_kernels_on_cuda(monkeypatch, caplog):
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    kernels.reset_for_tests()
+    dispatch = KernelDispatch()
     g, out_cache_loc, rows, physical, slots = random_chunk(99, min_rows=500)
     latent = latent_rows(g, out_cache_loc.numel())
     buffer = torch.zeros(slots, 1, 656, dtype=torch.uint8, device=DEVICE)
     stock_calls = []
-    kernels.store_mla_rows(buffer, rows, physical, latent[:, :512], latent[:, 512:], packed_fp8=True,
-                           stock=lambda: stock_calls.append("mla"))
-    kernels.store_index_rows(torch.zeros(slots // PAGE, PAGE * 132, dtype=torch.uint8, device=DEVICE), rows,
-                             physical, latent[:, :128].contiguous(), stock=lambda: stock_calls.append("index"))
+    dispatch.store_mla_rows(buffer, rows, physical, latent[:, :512], latent[:, 512:], packed_fp8=True,
+                            stock=lambda: stock_calls.append("mla"))
+    dispatch.store_index_rows(torch.zeros(slots // PAGE, PAGE * 132, dtype=torch.uint8, device=DEVICE), rows,
+                              physical, latent[:, :128].contiguous(), stock=lambda: stock_calls.append("index"))
     shard = torch.randint(0, 2**40, (50, 1056), dtype=torch.int64, device=DEVICE)
     send = torch.tensor([3, 0, 49], device=DEVICE)
-    assert torch.equal(kernels.pack_pages(shard, send), shard[send])
-    inverse = kernels.build_page_inverse(torch.tensor([5, 2], device=DEVICE), torch.tensor([1, 2], device=DEVICE), 8)
-    assert kernels.remap_locs(torch.tensor([5 * 64 + 1, -1], device=DEVICE), inverse, 64).tolist() == [65, -1]
-    assert stock_calls == [] and not kernels._failed
+    assert torch.equal(dispatch.pack_pages(shard, send), shard[send])
+    inverse = dispatch.build_page_inverse(torch.tensor([5, 2], device=DEVICE), torch.tensor([1, 2], device=DEVICE), 8)
+    assert dispatch.remap_locs(torch.tensor([5 * 64 + 1, -1], device=DEVICE), inverse, 64).tolist() == [65, -1]
+    assert stock_calls == [] and not dispatch.failed
     assert not [r for r in caplog.records if r.name == kernels.logger.name]
 
     monkeypatch.setenv(DEBUG_ENV, "1")  # debug: the checked (stock) path
-    kernels.store_mla_rows(buffer, rows, physical, latent[:, :512], latent[:, 512:], packed_fp8=True,
-                           stock=lambda: stock_calls.append("mla"))
+    dispatch.store_mla_rows(buffer, rows, physical, latent[:, :512], latent[:, 512:], packed_fp8=True,
+                            stock=lambda: stock_calls.append("mla"))
     assert stock_calls == ["mla"]

@@ -1,11 +1,12 @@
 """Fixtures for tests that drive the real SGLang 0.5.12.post1 classes on a CPU machine."""
 
 import json
-import socket
 
 import pytest
 import torch
-from testing_support import TINY_DSV3, TINY_DSV32
+
+from sglang_cp_shared_kv.testing.support import TINY_DSV3, TINY_DSV32, free_port
+
 
 def _model_dir(tmp_path_factory, name, config):
     path = tmp_path_factory.mktemp(name)
@@ -57,11 +58,8 @@ def sglang_world_of_one():
     from sglang.srt.distributed import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ps.initialize_model_parallel(tensor_model_parallel_size=1, backend="gloo")
     yield
 
@@ -70,8 +68,9 @@ def sglang_world_of_one():
 def triton_standins(monkeypatch):
     """Swap SGLang's Triton kernels that cannot run on a CPU (allocator, MLA store, fp8 KV
     quantization, index quantization and index buffer accessors) for the torch equivalents
-    in test/torch_standins.py, which test/gpu proves equal to the real kernels. The only
-    place CPU tests replace SGLang code (the CP harness installs the same table)."""
-    import torch_standins
+    in sglang_cp_shared_kv/testing/torch_standins.py, which test/gpu proves equal to the
+    real kernels. The only place CPU tests replace SGLang code (the CP harness installs the
+    same table)."""
+    from sglang_cp_shared_kv.testing import torch_standins
 
     torch_standins.install(monkeypatch.setattr)

@@ -3,13 +3,13 @@
 import logging
 
 import pytest
-from integration.cpu_model_runner import CpuNsaModelRunner
-from testing_support import shared_kv_kwargs
 
 from sglang_cp_shared_kv import capacity
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.capacity import PHYSICAL_TOKENS_ATTR, split_capacity
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv.testing.cpu_model_runner import CpuNsaModelRunner
+from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env",
                                      "sglang_world_of_one")
@@ -75,7 +75,8 @@ def test_init_memory_pool_builds_shared_pool(tiny_nsa_model, caplog):
     for field in (f"physical_tokens_per_rank={physical}", f"logical_tokens={4 * physical}", "cp_size=4",
                   "shard_policy=page_interleaved", f"kv_gb_per_rank={stock.token_to_kv_pool.mem_usage:.2f}"):
         assert field in line
-    assert capacity.current_split().logical_tokens == 4 * physical
+    assert capacity.context_of(shared).split.logical_tokens == 4 * physical
+    assert capacity.context_of(stock) is None
 
 
 def test_flag_off_builds_stock_pool(tiny_nsa_model):

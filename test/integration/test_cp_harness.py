@@ -1,12 +1,13 @@
 """Shared KV is bit-exact against the replicated baseline on N = 2, 3, 4, 8 CP ranks.
 
-One process group per N runs every scenario (see integration/cp_harness.py for what is
+One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_harness.py for what is
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
 the debug checks forward by forward.
 """
 
 import pytest
-from integration.cp_harness import run_cp_group
+
+from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback")

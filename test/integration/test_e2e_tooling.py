@@ -13,7 +13,7 @@ import torch, sglang.srt.model_loader.weight_utils as wu
 m = torch.nn.Module(); m.input_layernorm = torch.nn.LayerNorm(8); m.proj = torch.nn.Linear(512, 256)
 wu.initialize_dummy_weights(m)
 print("NORM", float(m.input_layernorm.weight.mean()), "STD", float(m.proj.weight.std()))
-import sglang_cp_shared_kv.materialize as mat
+import sglang_cp_shared_kv.forward.materialize as mat
 print("WRAPPED", mat.materialize_mla.__name__ == "materialize_mla" and mat.materialize_mla.__module__ != mat.__name__)
 """
 

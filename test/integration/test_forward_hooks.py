@@ -5,15 +5,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.batch_state import attach_batch_state
+from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.materialize import forward_extend_on_dense_view
+from sglang_cp_shared_kv.forward.hooks import (
+    attach_batch_state,
+    batch_state_of,
+    forward_extend_on_dense_view,
+    store_index_k_owned_and_dense,
+)
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.kv_geometry import mla_kv_cache_dim
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
-from sglang_cp_shared_kv.writes import store_index_k_owned_and_dense
 
-PAGE = 64
 POOL_KWARGS = dict(page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1,
-                   device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576)
+                   device="cpu", index_head_dim=128, enable_memory_saver=False,
+                   kv_cache_dim=mla_kv_cache_dim("bf16"))
 
 
 def _batch(pool, mode_name="EXTEND", batch_size=1):
@@ -53,13 +59,13 @@ def test_stock_pool_passes_straight_through():
 
 
 def _shared_pool():
-    return CpSharedNSATokenToKVPool(4 * PAGE, layout=CpSharedKVLayout(PAGE, 2, 0), **POOL_KWARGS)
+    return CpSharedNSATokenToKVPool(4 * PAGE, context=CpSharedKVContext(CpSharedKVLayout(PAGE, 2, 0)), **POOL_KWARGS)
 
 
 def test_idle_batch_on_shared_pool_has_no_state():
     fb = _batch(_shared_pool(), "IDLE")
     attach_batch_state(None, SimpleNamespace(forward_metadata=None), fb)
-    assert getattr(fb, "cp_shared_kv", None) is None
+    assert batch_state_of(fb) is None
 
 
 def test_decode_on_shared_pool_is_refused():

@@ -1,10 +1,10 @@
 """Hook verification: with the flag on, a hook that is not in place stops startup."""
 
 import pytest
-from testing_support import shared_kv_kwargs
 
 from sglang_cp_shared_kv import hook_check, plugin
 from sglang_cp_shared_kv.hook_check import CpSharedKVHookError, HookSpec, missing_hooks, require_hooks_applied
+from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
 

@@ -1,5 +1,5 @@
-"""The in-seq CP all-gather hook (``in_seq_rerange.all_gather_in_seq_order``) against
-SGLang's own ``cp_all_gather_rerange_output``.
+"""The in-seq CP all-gather hook (``forward.hooks.all_gather_in_seq_order``, its work in
+``forward.in_seq_rerange``) against SGLang's own ``cp_all_gather_rerange_output``.
 
 * Multi-process (N = 2, 3, 4, 8 ranks over gloo, SGLang's attention-CP
   ``GroupCoordinator`` built as the CP harness builds it): SGLang's metadata builder
@@ -10,12 +10,12 @@ SGLang's own ``cp_all_gather_rerange_output``.
   exactly SGLang's collective (same group, buffer shape, dtype, stream, symmetric-memory
   arguments); ranks that take different paths stay in step; round-robin split and a
   stock pool run SGLang's function. On CPU the kernel cannot run, so the plugin path
-  is forced there and ``kernels.rerange_in_seq`` takes its fallback after the all-gather;
+  is forced there and ``KernelDispatch.rerange_in_seq`` takes its reference after the all-gather;
   the group's all-gather skips a custom op that has no CPU kernel
   (:func:`cpu_all_gather_through_gloo`). Rank processes are forked from a forkserver that
   imported SGLang once, which keeps N = 8 fast on two cores.
 * In process: the pre-collective decision (flag, metadata, split mode, input rank,
-  kernel availability; never a per-rank kernel failure).
+  device, debug mode; never a per-rank kernel failure).
 * A fresh interpreter: after the registry applies the hook, the name that
   ``nsa_indexer`` (imported before) and ``deepseek_v2`` / ``deepseek_nextn`` (imported
   after) call is the hook.
@@ -37,10 +37,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from testing_support import free_port, gloo_attention_cp_group, run_rank_processes
+
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.testing.support import free_port, gloo_attention_cp_group, run_rank_processes
 
 REPO = Path(__file__).resolve().parents[2]
-PAGE = 64
 WIDTHS = {"latent": 576, "index_key": 128, "hidden": 7168}  # bf16 rows as the model gathers them
 PRELOAD = ["sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.attention.nsa.utils", "sglang_cp_shared_kv.pool"]
 
@@ -80,11 +81,12 @@ def build_metadata(total: int, cp_rank: int, cp_size: int):
 
 
 def shared_pool(n: int, rank: int):
+    from sglang_cp_shared_kv.context import CpSharedKVContext
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
 
     return CpSharedNSATokenToKVPool(
-        2 * PAGE * n, layout=CpSharedKVLayout(PAGE, n, rank), page_size=PAGE, kv_lora_rank=512,
+        2 * PAGE * n, context=CpSharedKVContext(CpSharedKVLayout(PAGE, n, rank)), page_size=PAGE, kv_lora_rank=512,
         dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1, device="cpu", index_head_dim=128,
         enable_memory_saver=False, kv_cache_dim=576)
 
@@ -106,7 +108,7 @@ class Recorder:
     def __init__(self, group):
         from sglang.srt.layers.utils import cp_utils
 
-        from sglang_cp_shared_kv import in_seq_rerange
+        from sglang_cp_shared_kv.forward import in_seq_rerange
 
         self.calls = []
         self.paths = []
@@ -147,10 +149,10 @@ class RankRun:
     def __init__(self, rank: int, n: int, group):
         from sglang.srt.layers.utils import cp_utils
 
-        from sglang_cp_shared_kv import in_seq_rerange
+        from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
 
         self.rank, self.n, self.group = rank, n, group
-        self.cp_utils, self.hook_module = cp_utils, in_seq_rerange
+        self.cp_utils, self.hook_module, self.hooks = cp_utils, in_seq_rerange, hooks
         self.recorder = Recorder(group)
         self.pool = shared_pool(n, rank)
         self.errors, self.checks = [], 0
@@ -170,7 +172,7 @@ class RankRun:
             saved = self.hook_module.kernel_can_run
             self.hook_module.kernel_can_run = lambda t: plugin_path
             try:
-                out = self.hook_module.all_gather_in_seq_order(self.original, rows, self.n, fb, None)
+                out = self.hooks.all_gather_in_seq_order(self.original, rows, self.n, fb, None)
             finally:
                 self.hook_module.kernel_can_run = saved
             return out, rec.calls, rec.paths
@@ -244,7 +246,7 @@ class RankRun:
     def run_expecting_original(self, fb):
         with self.recorder.recording() as rec:
             sentinel = object()
-            out = self.hook_module.all_gather_in_seq_order(
+            out = self.hooks.all_gather_in_seq_order(
                 lambda *a: (rec.paths.append("sglang"), sentinel)[1], torch.zeros(3, 4), self.n, fb, None)
             self.check(out is sentinel, "no metadata: the hook did not return SGLang's result")
             return out, rec.calls, rec.paths
@@ -318,15 +320,14 @@ def test_hook_equals_sglang_on_gloo_ranks(fork_context, n):
 @pytest.fixture
 def decision(monkeypatch):
     """The hook's pre-collective decision in this process: SGLang's server arguments for
-    in-seq split, the kernel package importable, debug off."""
+    in-seq split, debug off."""
     from sglang.srt import server_args as sa
 
-    from sglang_cp_shared_kv import in_seq_rerange, kernels
+    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
 
     monkeypatch.setattr(sa, "_global_server_args", server_args())
-    monkeypatch.setattr(kernels, "_package", lambda: object())
     monkeypatch.delenv("SGLANG_DEBUG_CP_SHARED_KV", raising=False)
-    return in_seq_rerange, kernels
+    return in_seq_rerange, hooks
 
 
 def _cuda_like(ndim=2):
@@ -334,24 +335,23 @@ def _cuda_like(ndim=2):
 
 
 def test_decision_uses_rank_identical_facts_only(decision, monkeypatch):
-    hook_module, kernels = decision
-    fb = SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=build_metadata(9, 0, 2))
-    assert hook_module.takes_plugin_path(_cuda_like(), fb)
-    monkeypatch.setattr(kernels, "_failed", {"rerange_in_seq"})  # raised once on this rank only
-    assert hook_module.takes_plugin_path(_cuda_like(), fb), "a per-rank kernel failure changed the path"
-    assert not hook_module.takes_plugin_path(_cuda_like(ndim=3), fb)  # SGLang's function refuses it
-    assert not hook_module.takes_plugin_path(torch.zeros(4, 2), fb)  # CPU: no kernel
+    hook_module, _ = decision
+    pool = shared_pool(2, 0)
+    fb = SimpleNamespace(token_to_kv_pool=pool, attn_cp_metadata=build_metadata(9, 0, 2))
+    assert hook_module.takes_plugin_path(_cuda_like(), fb, True)
+    pool.context.kernels.failed.add("rerange_in_seq")  # raised once on this rank only
+    assert hook_module.takes_plugin_path(_cuda_like(), fb, True), "a per-rank kernel failure changed the path"
+    assert not hook_module.takes_plugin_path(_cuda_like(), fb, False)  # not a shared-KV pool
+    assert not hook_module.takes_plugin_path(_cuda_like(ndim=3), fb, True)  # SGLang's function refuses it
+    assert not hook_module.takes_plugin_path(torch.zeros(4, 2), fb, True)  # CPU: no kernel
     monkeypatch.setenv("SGLANG_DEBUG_CP_SHARED_KV", "1")
-    assert not hook_module.takes_plugin_path(_cuda_like(), fb)
-    monkeypatch.delenv("SGLANG_DEBUG_CP_SHARED_KV")
-    monkeypatch.setattr(kernels, "_package", lambda: None)
-    assert not hook_module.takes_plugin_path(_cuda_like(), fb)
+    assert not hook_module.takes_plugin_path(_cuda_like(), fb, True)
 
 
 def test_inert_unless_shared_kv_in_seq_batch(decision, monkeypatch):
     from sglang.srt import server_args as sa
 
-    hook_module, _ = decision
+    hook_module, hooks = decision
     metadata = build_metadata(9, 0, 2)
 
     def gather_must_not_run(*args, **kwargs):
@@ -369,17 +369,18 @@ def test_inert_unless_shared_kv_in_seq_batch(decision, monkeypatch):
              "no pool": SimpleNamespace(attn_cp_metadata=metadata),
              "no metadata": SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=None)}
     for what, fb in cases.items():
-        assert hook_module.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result", what
+        assert hooks.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result", what
         assert calls.pop() == (rows, 2, fb, stream), what
     monkeypatch.setattr(sa, "_global_server_args", server_args("round-robin-split"))
     fb = SimpleNamespace(token_to_kv_pool=shared_pool(2, 0), attn_cp_metadata=metadata)
-    assert hook_module.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result"
+    assert hooks.all_gather_in_seq_order(original, rows, 2, fb, stream) == "sglang's result"
 
 
 def test_registered_for_hook_check():
-    from sglang_cp_shared_kv import in_seq_rerange, plugin
+    from sglang_cp_shared_kv import plugin
+    from sglang_cp_shared_kv.forward import hooks
 
-    spec = next(s for s in plugin.HOOKS if s.hook is in_seq_rerange.all_gather_in_seq_order)
+    spec = next(s for s in plugin.HOOKS if s.hook is hooks.all_gather_in_seq_order)
     assert (spec.target, spec.hook_type) == ("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
                                              "around")
 
@@ -388,10 +389,11 @@ PROPAGATION = textwrap.dedent("""
     import sys
     import sglang.srt.layers.attention.nsa.nsa_indexer as nsa_indexer  # imported before the hooks apply
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-    from sglang_cp_shared_kv import in_seq_rerange, plugin
+    from sglang_cp_shared_kv import plugin
+    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
     from sglang_cp_shared_kv.hook_check import _wraps_hook, missing_hooks
 
-    spec = next(s for s in plugin.HOOKS if s.hook is in_seq_rerange.all_gather_in_seq_order)
+    spec = next(s for s in plugin.HOOKS if s.hook is hooks.all_gather_in_seq_order)
     HookRegistry.register(spec.target, spec.hook, HookType(spec.hook_type))
     HookRegistry.apply_hooks()
     assert missing_hooks([spec]) == [], missing_hooks([spec])

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 from sglang_cp_shared_kv.kv_geometry import NsaModelShape
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
 
-PAGE = 64
 LAYERS = 2
 DTYPES = {  # kv cache dtype -> (torch dtype, kv_cache_dim as SGLang computes it)
     "bf16": (torch.bfloat16, 576),
@@ -24,8 +25,8 @@ def pool_kwargs(dtype_name):
 
 
 def shared_pool(physical, n, rank=0, dtype_name="bf16"):
-    layout = CpSharedKVLayout(PAGE, n, rank)
-    return CpSharedNSATokenToKVPool(physical * n, layout=layout, **pool_kwargs(dtype_name))
+    context = CpSharedKVContext(CpSharedKVLayout(PAGE, n, rank))
+    return CpSharedNSATokenToKVPool(physical * n, context=context, **pool_kwargs(dtype_name))
 
 
 @pytest.mark.parametrize("dtype_name", sorted(DTYPES))
@@ -55,17 +56,36 @@ def test_buffers_are_physical_and_size_is_logical(n, dtype_name):
 
 def test_bound_class_carries_the_layout():
     layout = CpSharedKVLayout(PAGE, 4, 2)
-    cls = CpSharedNSATokenToKVPool.bound_to(layout)
+    context = CpSharedKVContext(layout)
+    cls = CpSharedNSATokenToKVPool.bound_to(context)
     assert issubclass(cls, CpSharedNSATokenToKVPool)
     pool = cls(8 * PAGE, **pool_kwargs("bf16"))
-    assert pool.cp_layout is layout and pool.physical_size == 2 * PAGE
+    assert pool.cp_layout is layout and pool.context is context and pool.physical_size == 2 * PAGE
 
 
-def test_pool_without_layout_or_with_bad_size_refuses():
-    with pytest.raises(TypeError, match="needs a CpSharedKVLayout"):
+def test_two_contexts_side_by_side_share_nothing():
+    """Two shared-KV pools in one process (two engines, or two test configurations): each
+    has its own layout, kernel fallback set and capacity figures."""
+    first, second = shared_pool(2 * PAGE, 2, rank=0), shared_pool(3 * PAGE, 4, rank=3, dtype_name="fp8_e4m3")
+    assert first.context is not second.context
+    assert first.context.kernels is not second.context.kernels
+    first.context.kernels.failed.add("pack_pages")
+    assert second.context.kernels.failed == set()
+    assert (first.cp_layout.cp_size, first.cp_layout.cp_rank) == (2, 0)
+    assert (second.cp_layout.cp_size, second.cp_layout.cp_rank) == (4, 3)
+    assert first.context.split is None and second.context.split is None
+    cls_a = CpSharedNSATokenToKVPool.bound_to(first.context)
+    cls_b = CpSharedNSATokenToKVPool.bound_to(second.context)
+    assert cls_a(2 * PAGE * 2, **pool_kwargs("bf16")).context is first.context
+    assert cls_b(3 * PAGE * 4, **pool_kwargs("fp8_e4m3")).context is second.context
+
+
+def test_pool_without_context_or_with_bad_size_refuses():
+    with pytest.raises(TypeError, match="needs a CpSharedKVContext"):
         CpSharedNSATokenToKVPool(8 * PAGE, **pool_kwargs("bf16"))
     with pytest.raises(ValueError, match="not a multiple of page_size\\*cp_size"):
-        CpSharedNSATokenToKVPool(7 * PAGE, layout=CpSharedKVLayout(PAGE, 2, 0), **pool_kwargs("bf16"))
+        CpSharedNSATokenToKVPool(7 * PAGE, context=CpSharedKVContext(CpSharedKVLayout(PAGE, 2, 0)),
+                                 **pool_kwargs("bf16"))
 
 
 def test_location_addressed_paths_refuse_instead_of_corrupting():
@@ -83,17 +103,17 @@ def test_location_addressed_paths_refuse_instead_of_corrupting():
 
 
 def test_swap_is_scoped_to_the_block():
-    from sglang.srt.model_executor import model_runner_kv_cache_mixin as mixin
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+    from sglang.srt.model_executor import model_runner_kv_cache_mixin as mixin
 
-    with use_cp_shared_pool_classes(CpSharedKVLayout(PAGE, 2, 1)):
+    with use_cp_shared_pool_classes(CpSharedKVContext(CpSharedKVLayout(PAGE, 2, 1))):
         assert issubclass(mixin.NSATokenToKVPool, CpSharedNSATokenToKVPool)
         assert mixin.PagedTokenToKVPoolAllocator is CpSharedPagedTokenToKVPoolAllocator
     assert mixin.NSATokenToKVPool is NSATokenToKVPool
     assert mixin.PagedTokenToKVPoolAllocator is PagedTokenToKVPoolAllocator
     with pytest.raises(RuntimeError):
-        with use_cp_shared_pool_classes(CpSharedKVLayout(PAGE, 2, 1)):
+        with use_cp_shared_pool_classes(CpSharedKVContext(CpSharedKVLayout(PAGE, 2, 1))):
             raise RuntimeError("boom")
     assert mixin.NSATokenToKVPool is NSATokenToKVPool
 
@@ -103,7 +123,7 @@ def allocator_for(pool, need_sort=True):
 
 
 def test_reference_capacity_512_over_128():
-    # phase-plan.md: logical 512 tokens over physical 128 with N = 4
+    # docs/design.md#reference-values: logical 512 tokens over physical 128 with N = 4
     pool = shared_pool(128, 4)
     alloc = allocator_for(pool)
     assert alloc.available_size() == 512

@@ -16,10 +16,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sglang_cp_shared_kv import plugin, transfer
+from sglang_cp_shared_kv import plugin
 from sglang_cp_shared_kv.config import FLAG_DEST
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.transfer import (
+from sglang_cp_shared_kv.transfer import hooks as transfer
+from sglang_cp_shared_kv.transfer import prefill
+from sglang_cp_shared_kv.transfer.failure_cause import parse_failure_cause
+from sglang_cp_shared_kv.transfer.pages import (
     MAX_DESCRIPTORS_ENV,
     CpSharedKVTransferError,
     OwnedStatePages,
@@ -30,15 +33,6 @@ PAGE = 64
 LAYERS = 3
 KV_ITEM = PAGE * 16  # bytes of one page of one layer (opaque to the transfer path)
 STATE_ITEM = PAGE * 132
-
-
-@pytest.fixture(autouse=True)
-def no_model_runner_in_this_process(monkeypatch):
-    """The transfer state cross-checks the pool this process's model runner built; other
-    tests in the session leave theirs behind, and these managers have none."""
-    from sglang_cp_shared_kv import capacity
-
-    monkeypatch.setattr(capacity, "_current_split", None)
 
 
 def _conn():
@@ -117,6 +111,7 @@ def test_plugin_table_has_every_transfer_hook():
     assert ours == {
         "utils.filter_kv_indices_for_cp_rank": "around",
         "MooncakeKVManager.__init__": "after",
+        "PrefillBootstrapQueue._init_kv_manager": "after",
         "MooncakeKVManager.add_transfer_request": "around",
         "MooncakeKVManager._transfer_data": "around",
         "MooncakeKVManager.maybe_send_extra": "around",
@@ -149,7 +144,7 @@ def test_flag_off_every_prefill_hook_passes_straight_through():
         assert all(a is b for a, b in zip(called_args[1:], args)), hook.__name__
     assert transfer.prepare_prefill_transfer(None, mgr) is None
     assert mgr.__dict__ == before and mgr.sent_frames == []  # nothing added, nothing sent
-    assert transfer.transfer_stats(mgr) is None
+    assert prefill.transfer_stats(mgr) is None
 
 
 def test_flag_off_filter_is_sglangs_own_split():
@@ -180,7 +175,7 @@ def test_flag_off_filter_is_sglangs_own_split():
 
 # ------------------------------------------------------------- page filter
 @pytest.mark.parametrize("rank,pages,start,expected_physical,expected_positions", [
-    (1, range(1, 10), 10, [1, 2], [11, 15]),  # phase-plan reference values, N = 4
+    (1, range(1, 10), 10, [1, 2], [11, 15]),  # docs/design.md#reference-values, N = 4
     (2, range(9, 15), 8, [3], [10]),
 ])
 def test_filter_reference_values(rank, pages, start, expected_physical, expected_positions):
@@ -191,7 +186,7 @@ def test_filter_reference_values(rank, pages, start, expected_physical, expected
     assert physical.tolist() == expected_physical and positions.tolist() == expected_positions
 
 
-@pytest.mark.parametrize("cp_size", [2, 3, 4])
+@pytest.mark.parametrize("cp_size", [2, 3, 4, 8])
 def test_ranks_partition_every_chunk(cp_size):
     rng = np.random.default_rng(cp_size)
     for _ in range(20):
@@ -222,7 +217,7 @@ def test_enqueue_passes_owned_pages_and_translates_the_index_state_in_place():
     assert owned is state[0] and isinstance(owned, OwnedStatePages)  # the same list SGLang counts
     assert owned.positions.tolist() == [1, 3, 5, 7] and owned.physical_pages.tolist() == [2, 3, 4, 5]
     assert len(owned) == 4 and owned.sequence_pages == 8
-    stats = transfer.transfer_stats(mgr)
+    stats = prefill.transfer_stats(mgr)
     assert stats["kv_pages"] == 3 and stats["kv_chunk_pages"] == 6
     assert stats["kv_descriptors"] == 3 * LAYERS  # decode pages 51, 53, 55: one run per page
     assert stats["recent_chunks"][-1] == {"room": 7, "positions": [1, 5], "chunk_pages": 6, "owned_pages": 3,
@@ -239,7 +234,7 @@ def test_a_chunk_the_rank_owns_nothing_of_is_not_enqueued_unless_it_is_the_last(
         transfer.enqueue_owned_chunk(original, mgr, 8, physical, positions, last, aux_index=0 if last else None,
                                      state_indices=[np.array([1, 2, 3])] if last else None)
         assert len(original.calls) == int(last)
-    assert [c["owned_pages"] for c in transfer.transfer_stats(mgr)["recent_chunks"]] == [0, 0]
+    assert [c["owned_pages"] for c in prefill.transfer_stats(mgr)["recent_chunks"]] == [0, 0]
 
 
 def _rejected(mgr, room, chunk_pages, index_slice, state=None, last=True):
@@ -283,7 +278,7 @@ def test_rejected_before_enqueueing_and_reported_through_sglangs_worker(case, ex
     assert later.calls == []
     aux = Recorder()
     assert transfer.send_aux_unless_failed(aux, mgr, info, 4, [1]) == -1 and aux.calls == []
-    assert transfer.transfer_stats(mgr)["rejected_requests"] == 1
+    assert prefill.transfer_stats(mgr)["rejected_requests"] == 1
 
 
 def test_a_page_range_instead_of_positions_is_rejected():
@@ -332,23 +327,23 @@ def test_writes_are_split_into_bounded_batches_and_a_failure_names_its_cause(mon
     assert transfer.write_in_bounded_batches(original, mgr, "peer", blocks) == 0
     assert [len(args[2]) for args, _ in original.calls] == [3, 3, 1]
     assert [b for args, _ in original.calls for b in args[2]] == blocks
-    stats = transfer.transfer_stats(mgr)
+    stats = prefill.transfer_stats(mgr)
     assert (stats["write_batches"], stats["write_descriptors"], stats["write_bytes"]) == (3, 7, 70)
 
     failing = Recorder(result=lambda kv_mgr, session, batch: -1 if batch[0][0] == 3 else 0)
-    with caplog.at_level(logging.ERROR, logger=transfer.__name__):
+    with caplog.at_level(logging.ERROR, logger=prefill.__name__):
         assert transfer.write_in_bounded_batches(failing, mgr, "peer", blocks) == -1
     assert len(failing.calls) == 2  # stops at the failing batch
-    cause = transfer.prefill_transfer(mgr).take_write_failure()
+    cause = prefill.prefill_transfer(mgr).write_failures.take()
     assert "returned -1 for batch 2 of 3 (3 descriptors, 30 bytes) to peer" in cause
     assert "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER" in cause and cause in caplog.text
-    assert transfer.prefill_transfer(mgr).take_write_failure() is None  # reported once
+    assert prefill.prefill_transfer(mgr).write_failures.take() is None  # reported once
 
 
 # ------------------------------------------------------- index state, aux
 def _state_entry(mgr, logical):
     state = [np.asarray(logical)]
-    transfer.prefill_transfer(mgr)._own_state_pages(mgr, state)
+    prefill.prefill_transfer(mgr).own_state_pages_in_place(state)
     return state
 
 
@@ -363,7 +358,7 @@ def test_index_state_goes_by_sequence_position():
     assert src[0].tolist() == [6, 7, 8] and sent_req.dst_state_indices[0].tolist() == [90, 92, 94]
     assert dataclasses.replace(sent_req, dst_state_indices=req.dst_state_indices) == req  # nothing else changed
     assert (executor, registration) == ("executor", "registration")
-    assert transfer.transfer_stats(mgr)["state_pages"] == 3
+    assert prefill.transfer_stats(mgr)["state_pages"] == 3
 
 
 def test_index_positions_beyond_decodes_list_are_not_sent(caplog):
@@ -371,7 +366,7 @@ def test_index_positions_beyond_decodes_list_are_not_sent(caplog):
     req = transfer_info(14, dst_pages=[1], dst_state=[90, 91, 92])
     state = _state_entry(mgr, [11, 12, 13, 14, 15])
     original = Recorder(result=0)
-    with caplog.at_level(logging.WARNING, logger=transfer.__name__):
+    with caplog.at_level(logging.WARNING, logger=prefill.__name__):
         transfer.send_owned_state_pages(original, mgr, req, state, None, None)
     (args, _), = original.calls
     assert args[2][0].tolist() == [6, 7] and args[1].dst_state_indices[0].tolist() == [90, 92]
@@ -382,10 +377,10 @@ def test_a_failed_index_write_fails_the_request_instead_of_being_ignored():
     mgr = make_manager(cp_size=2, cp_rank=1)
     req = transfer_info(15, dst_pages=[1], dst_state=[90, 91, 92, 93])
     state = _state_entry(mgr, [11, 12, 13, 14])
-    context = transfer.prefill_transfer(mgr)
+    context = prefill.prefill_transfer(mgr)
 
     def failing_extra(kv_mgr, *args):
-        context._local.write_failure = "Mooncake batch_transfer_sync_write returned -1 (lane full)"
+        context.write_failures.put("Mooncake batch_transfer_sync_write returned -1 (lane full)")
         return -1
 
     assert transfer.send_owned_state_pages(failing_extra, mgr, req, state, None, None) == -1
@@ -396,15 +391,15 @@ def test_a_failed_index_write_fails_the_request_instead_of_being_ignored():
     assert transfer.send_aux_unless_failed(aux, mgr, req, 2, [1]) == -1 and aux.calls == []
     # the next request on this thread is not affected
     assert transfer.send_aux_unless_failed(aux, mgr, transfer_info(16, [1]), 2, [1]) == 0
-    assert transfer.transfer_stats(mgr)["failed_state_writes"] == 1
+    assert prefill.transfer_stats(mgr)["failed_state_writes"] == 1
 
 
 def test_a_failed_aux_write_is_recorded_with_its_cause():
     mgr = make_manager()
-    context = transfer.prefill_transfer(mgr)
+    context = prefill.prefill_transfer(mgr)
 
     def failing_aux(kv_mgr, *args):
-        context._local.write_failure = "returned -1 for batch 1 of 1"
+        context.write_failures.put("returned -1 for batch 1 of 1")
         return -1
 
     assert transfer.send_aux_unless_failed(failing_aux, mgr, transfer_info(17, [1]), 2, [1]) == -1
@@ -418,9 +413,9 @@ def test_decode_hears_the_cause_just_before_the_failed_status():
 
     mgr = make_manager(cp_size=2, cp_rank=1)
     mgr.request_status[18] = KVPoll.Failed
-    context = transfer.prefill_transfer(mgr)
+    context = prefill.prefill_transfer(mgr)
     mgr.record_failure(18, "Failed to send kv chunk of 18 to 127.0.0.1:5555")  # SGLang's own text
-    context._local.write_failure = "Mooncake batch_transfer_sync_write returned -1 for batch 2 of 2"
+    context.write_failures.put("Mooncake batch_transfer_sync_write returned -1 for batch 2 of 2")
     order = []
     original = Recorder(result=lambda *a: order.append("status"))
     mgr.sent_frames = order
@@ -430,7 +425,7 @@ def test_decode_hears_the_cause_just_before_the_failed_status():
     assert frames[:5] == [mgr.AUX_DATA_HEADER, b"18", b"0", b"0", b"\xff\xff\xff\xff"]
     expected = ("prefill CP rank 1 of 2: Failed to send kv chunk of 18 to 127.0.0.1:5555: "
                 "Mooncake batch_transfer_sync_write returned -1 for batch 2 of 2")
-    assert transfer.parse_failure_cause(frames) == (18, expected)
+    assert parse_failure_cause(frames) == (18, expected)
     assert mgr.failure_records[18] == expected.split(": ", 1)[1]  # the prefill's own record names it too
     success = Recorder()
     transfer.report_failure_cause_to_decode(success, mgr, "127.0.0.1", 5555, 18, KVPoll.Success, 1)
@@ -523,20 +518,30 @@ def test_a_configuration_that_cannot_shard_stops_at_manager_start(change, expect
         transfer.prepare_prefill_transfer(None, mgr)
 
 
-def test_the_manager_must_see_the_pool_the_rank_was_built_with(monkeypatch):
-    from sglang_cp_shared_kv import capacity
+def shared_pool(cp_size, cp_rank, physical_pages):
+    """A real shared-KV pool (CPU) as one rank builds it: ``physical_pages`` per rank."""
+    import torch
 
-    split = capacity.CapacitySplit(physical_tokens_per_rank=10 * PAGE, logical_tokens=20 * PAGE, cp_size=2,
-                                   cp_rank=1, page_size=PAGE, kv_gb_per_rank=0.0, max_running_requests=1)
-    monkeypatch.setattr(capacity, "_current_split", split)
+    from sglang_cp_shared_kv.context import CpSharedKVContext
+    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+
+    return CpSharedNSATokenToKVPool(
+        physical_pages * PAGE * cp_size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,
+        qk_rope_head_dim=64, layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False,
+        kv_cache_dim=576, context=CpSharedKVContext(CpSharedKVLayout(PAGE, cp_size, cp_rank)))
+
+
+def test_the_manager_must_see_the_pool_the_rank_was_built_with():
+    # what PrefillBootstrapQueue holds: the pool this rank built (CP rank 1 of 2, 10 pages)
+    queue = SimpleNamespace(token_to_kv_pool=shared_pool(cp_size=2, cp_rank=1, physical_pages=10))
     with pytest.raises(CpSharedKVTransferError, match="built for"):
-        transfer.prepare_prefill_transfer(None, make_manager(cp_size=2, cp_rank=0))
-    transfer.prepare_prefill_transfer(None, make_manager(cp_size=2, cp_rank=1, physical_pages=10))
+        transfer.check_transfer_matches_pool(make_manager(cp_size=2, cp_rank=0), queue)
+    transfer.check_transfer_matches_pool(make_manager(cp_size=2, cp_rank=1, physical_pages=10), queue)
 
 
 def test_decode_managers_never_shard():
     mgr = make_manager(shared=True, mode="decode")
-    assert transfer.prepare_prefill_transfer(None, mgr) is None and transfer.prefill_transfer(mgr) is None
+    assert transfer.prepare_prefill_transfer(None, mgr) is None and prefill.prefill_transfer(mgr) is None
 
 
 def test_prometheus_counters_with_metrics_on():

@@ -1,10 +1,10 @@
 """PD transfer of CP shards, end to end over the real Mooncake engine on 127.0.0.1.
 
-One run of :mod:`mooncake_pd_rig` (module fixture) starts six processes: four prefill
-processes P0..P3, process P hosting CP rank i of every instance that has one (shared KV
-S2/S3/S4 with the plugin's physical pool; replicated R2/R3/R4, flag off, SGLang's stock
-CP transfer), one more prefill process L1 whose Mooncake TCP lane is forced low, and
-one decode process with a stock full-layout NSA pool. Requests run one after another
+One run of :mod:`sglang_cp_shared_kv.testing.pd_rig` (module fixture) starts six
+processes: four prefill processes P0..P3, process P hosting CP rank i of every instance
+that has one (shared KV S2/S3/S4 with the plugin's physical pool; replicated R2/R3/R4,
+flag off, SGLang's stock CP transfer), one more prefill process L1 whose Mooncake TCP
+lane is forced low, and one decode process with a stock full-layout NSA pool. Requests run one after another
 through SGLang's own bootstrap server, ``MooncakeKVManager``, ``MooncakeKVSender`` (driven
 by the real ``send_kv_chunk``) and ``MooncakeKVReceiver``; decode checks every byte it
 received against the request's content. The tests below read that run's results.
@@ -30,12 +30,12 @@ import pytest
 
 mooncake_engine = pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
 
-import mooncake_pd_rig as rig  # noqa: E402
-
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-from sglang_cp_shared_kv.transfer import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE  # noqa: E402
+from sglang_cp_shared_kv.testing import pd_rig as rig  # noqa: E402
+from sglang_cp_shared_kv.transfer.pages import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
 
-PAGE = rig.PAGE
+PAGE = PAGE_SIZE
 LAYERS = rig.TEST_GEOMETRY.layers
 LANE_LIMIT = 64  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and ..._PENDING_ADMISSIONS_... in L1
 KILL_TIMEOUT_S = 6  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT for the killed-rank request
@@ -294,7 +294,7 @@ def test_a_killed_prefill_rank_fails_the_request_within_the_timeout(pd_run):
     name = "prefill-rank-killed/S4"
     decode = _decode(pd_run, name)
     assert decode["status"] == "failed", _context(pd_run, name)
-    assert f"timed out after" in decode["error"] and "WaitingForInput" in decode["error"], decode
+    assert "timed out after" in decode["error"] and "WaitingForInput" in decode["error"], decode
     assert KILL_TIMEOUT_S <= decode["elapsed_s"] < KILL_TIMEOUT_S + 10, decode
     survivors = _ranks(pd_run, name)
     assert survivors.pop(3) is None  # the killed process left no result

@@ -1,10 +1,10 @@
 """Startup validation: every unsupported setting refused with a message naming it and the fix."""
 
 import pytest
-from testing_support import shared_kv_kwargs
 
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.server_args import CpSharedKVConfigError, configuration_problems
+from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 
@@ -105,3 +105,16 @@ def test_testing_switch_allows_a_prefill_only_server_without_pd(tiny_nsa_model, 
     assert configuration_problems(server_args) == []
     monkeypatch.delenv("SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD")
     assert any("--disaggregation-mode null" in p for p in configuration_problems(server_args))
+
+
+def test_a_broken_install_without_the_kernel_package_is_refused(tiny_nsa_model, monkeypatch):
+    """The kernels' torch references are the fallbacks, and they ship in the kernel
+    package: without it the flag cannot run, and startup says how to fix the install."""
+    import sys
+
+    server_args = _build(tiny_nsa_model, {}, {}, {}, monkeypatch)
+    monkeypatch.setitem(sys.modules, "sglang_cp_shared_kv_kernel", None)  # import raises ImportError
+    with pytest.raises(CpSharedKVConfigError) as exc:
+        server_args.check_server_args()
+    problem = next(line for line in str(exc.value).splitlines() if "the plugin installation" in line)
+    assert "sglang_cp_shared_kv_kernel does not import" in problem and "reinstall the plugin" in problem

@@ -1,14 +1,12 @@
 """dense_layout: the owner-major dense placement of a sequence's pages."""
 
-import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.dense_layout import DENSE_DUMMY_PAGES, build_dense_page_map
-
-PAGE = 64
+from sglang_cp_shared_kv.forward.dense_layout import DENSE_DUMMY_PAGES, build_dense_page_map
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
 
 def _simulate_gather(n, seq_pages, history, full_view):

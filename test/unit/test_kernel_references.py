@@ -13,12 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_shared_kv import kernels
+import sglang_cp_shared_kv_kernel as K
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-
-K = pytest.importorskip("sglang_cp_shared_kv_kernel")
-
-PAGE = 64
+from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
 
 # ------------------------------------------------------------------ naive helpers
@@ -207,14 +205,14 @@ def test_pack_reference_matches_naive_loop(words):
         assert torch.equal(packed[k], shard[page])
     out = torch.empty_like(packed)
     assert K.pack_pages_reference(shard, send, out=out) is out and torch.equal(out, packed)
-    assert torch.equal(kernels.pack_pages(shard, send), packed)
+    assert torch.equal(KernelDispatch().pack_pages(shard, send), packed)
     assert K.pack_pages_reference(shard, send[:0]).shape == (0, words)
 
 
 # -------------------------------------------------------------------- page remap
 @pytest.mark.parametrize("n", range(1, 9))
 def test_page_inverse_and_remap_match_naive_loop(n):
-    from sglang_cp_shared_kv.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
 
     g = torch.Generator().manual_seed(n)
     layout = CpSharedKVLayout(PAGE, n, n - 1)
@@ -236,13 +234,13 @@ def test_page_inverse_and_remap_match_naive_loop(n):
         expected = [-1 if loc < 0 else naive.get(loc // PAGE, 0) * PAGE + loc % PAGE
                     for loc in locs.flatten().tolist()]
         assert remapped.dtype == dtype and remapped.flatten().tolist() == expected
-        assert torch.equal(kernels.remap_locs(locs, inverse, PAGE), remapped)
+        assert torch.equal(KernelDispatch().remap_locs(locs, inverse, PAGE), remapped)
     # the page table remaps to exactly the dense token table the batch state builds
     dense_table = page_map.dense_token_table(positions.numel(), positions.numel())
     assert torch.equal(K.remap_locs_reference(table, inverse, PAGE), dense_table)
     # page-level tables (real_page_table) with page_size 1
     assert torch.equal(K.remap_locs_reference(seq_pages, inverse, 1), page_map.dense_page)
-    assert torch.equal(kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages), inverse)
+    assert torch.equal(KernelDispatch().build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages), inverse)
 
 
 # ------------------------------------------------------------------------ rerange
@@ -291,6 +289,6 @@ def test_rerange_fallback_and_segment_cache():
     metadata = SimpleNamespace(**meta_lists)
     gathered = torch.randn(4 * 13, 8)
     expected = K.rerange_in_seq_reference(gathered, **meta_lists)
-    assert torch.equal(kernels.rerange_in_seq(gathered, metadata), expected)
+    assert torch.equal(KernelDispatch().rerange_in_seq(gathered, metadata), expected)
     out = torch.empty_like(expected)
-    assert kernels.rerange_in_seq(gathered, metadata, out=out) is out and torch.equal(out, expected)
+    assert KernelDispatch().rerange_in_seq(gathered, metadata, out=out) is out and torch.equal(out, expected)

@@ -1,4 +1,4 @@
-"""cp_shared_kv_layout: the reference values of phase-plan.md and the map's properties."""
+"""cp_shared_kv_layout: the reference values (docs/design.md#reference-values) and the map's properties."""
 
 import numpy as np
 import pytest
@@ -13,8 +13,7 @@ from sglang_cp_shared_kv.cp_shared_kv_layout import (
     logical_tokens_for,
     physical_tokens_for,
 )
-
-PAGE = 64
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
 
 def layout(rank, n=4, page=PAGE):
@@ -46,7 +45,7 @@ def test_reference_filter_rank1_positions_10_to_18():
 
 
 def test_reference_filter_rank2_chunk_from_page_8():
-    # phase-plan.md: pages 9..14 of a chunk starting at request page 8 -> [3] at [10]
+    # docs/design.md#reference-values: pages 9..14 of a chunk starting at request page 8 -> [3] at [10]
     phys, pos = layout(2).filter_owned_pages_np(np.arange(9, 15), np.arange(8, 14))
     assert phys.tolist() == [3] and pos.tolist() == [10]
 

@@ -22,9 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM, PAGE_SIZE
 from sglang_cp_shared_kv_kernel._rows import source_rows
 
-HEAD_DIM = 128
+HEAD_DIM = NSA_INDEX_HEAD_DIM
 FP8_MAX = 448.0
 MIN_AMAX = 1e-4
 
@@ -67,7 +68,7 @@ def _store_index_rows_kernel(
 
 
 def store_index_rows(index_buffer: torch.Tensor, rows: Optional[torch.Tensor], locs: torch.Tensor,
-                     key: torch.Tensor, page_size: int = 64) -> None:
+                     key: torch.Tensor, page_size: int = PAGE_SIZE) -> None:
     """Quantise ``key[rows[i]]`` and store K and scale at token location ``locs[i]``.
 
     ``index_buffer``: (pages, page_size * 132) uint8; ``key``: (n, 128) (or reshapeable)
@@ -97,7 +98,7 @@ def quantize_index_k_reference(key: torch.Tensor):
     return q, scale
 
 
-def store_index_rows_reference(index_buffer, rows, locs, key, page_size: int = 64) -> None:
+def store_index_rows_reference(index_buffer, rows, locs, key, page_size: int = PAGE_SIZE) -> None:
     """Torch reference of :func:`store_index_rows`."""
     n = _check(index_buffer, rows, locs, key, page_size)
     if n == 0:

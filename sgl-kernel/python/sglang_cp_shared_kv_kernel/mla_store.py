@@ -34,18 +34,19 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang_cp_shared_kv.kv_geometry import NOPE_FP8_GROUP, NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, mla_row_bytes
 from sglang_cp_shared_kv_kernel._rows import source_rows
-
 from sglang_cp_shared_kv_kernel._words import int64_rows, same_word_views
 
-NOPE_DIM = 512
-ROPE_DIM = 64
-TILE = 128  # values per fp8 scale
+NOPE_DIM = NSA_KV_LORA_RANK
+ROPE_DIM = NSA_QK_ROPE_HEAD_DIM
+TILE = NOPE_FP8_GROUP  # values per fp8 scale
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_NOPE_BYTES = NOPE_DIM  # one byte per value
 FP8_SCALE_BYTES = NOPE_DIM // TILE * 4
 FP8_ROPE_BYTES = ROPE_DIM * 2  # bf16
-FP8_ROW_BYTES = FP8_NOPE_BYTES + FP8_SCALE_BYTES + FP8_ROPE_BYTES  # 656
+FP8_ROW_BYTES = mla_row_bytes("fp8_e4m3")  # 656 = the three parts above
+assert FP8_ROW_BYTES == FP8_NOPE_BYTES + FP8_SCALE_BYTES + FP8_ROPE_BYTES
 
 
 def _check_rows(rows, locs, k_nope, k_rope) -> int:

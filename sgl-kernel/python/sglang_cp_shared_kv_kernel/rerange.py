@@ -114,8 +114,10 @@ def rerange_in_seq(gathered: torch.Tensor, max_rank_len, per_rank_actual_token, 
 
 
 def rerange_in_seq_reference(gathered: torch.Tensor, max_rank_len, per_rank_actual_token, reverse_split_len,
-                             cp_reverse_index) -> torch.Tensor:
-    """Torch reference: the split/cat re-order (drop each block's padding, then order the pieces)."""
+                             cp_reverse_index, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Torch reference: the split/cat re-order (drop each block's padding, then order the
+    pieces), SGLang's own re-order; into ``out`` when given."""
     real_rows = [block[:rows] for block, rows in zip(gathered.split(list(max_rank_len)), per_rank_actual_token)]
     pieces = torch.cat(real_rows).split(list(reverse_split_len))
-    return torch.cat([pieces[i] for i in cp_reverse_index])
+    result = torch.cat([pieces[i] for i in cp_reverse_index])
+    return result if out is None else out.copy_(result)

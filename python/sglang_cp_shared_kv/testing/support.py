@@ -1,4 +1,4 @@
-"""Test data and helpers shared by several test modules (not fixtures)."""
+"""Test data and helpers shared by the rigs, the tests and the benchmarks (not fixtures)."""
 
 import json
 import socket

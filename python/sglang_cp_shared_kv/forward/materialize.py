@@ -1,16 +1,16 @@
 """The dense views the stock NSA kernels read, one layer at a time.
 
-Per layer, on every CP rank, in the same order:
+Per layer, on every CP rank, in the same order (the hooks in :mod:`.hooks` call these):
 
-1. index (``Indexer._store_index_k_cache`` AROUND, :mod:`writes`): one all-gather of
-   the owned history pages of the index buffer, then SGLang's own index store of the
-   current chunk into the dense view; the indexer's K/scale reads (prev and next
-   segments alike) are then served from it;
-2. MLA (``NativeSparseAttnBackend.forward_extend`` AROUND, :func:`forward_extend_on_dense_view`):
-   the owner-only write, one all-gather of the owned history pages of the latent
-   cache, SGLang's own store of the current chunk into the dense view, then the stock
-   ``forward_extend`` with the dense view as its KV cache. Both views are released
-   when it returns.
+1. index (from the ``Indexer._store_index_k_cache`` hook): :func:`materialize_index` --
+   one all-gather of the owned history pages of the index buffer, then SGLang's own index
+   store of the current chunk into the dense view; the indexer's K/scale reads (prev and
+   next segments alike) are then served from it;
+2. MLA (from the ``NativeSparseAttnBackend.forward_extend`` hook): the owner-only write,
+   then :func:`materialize_mla` -- one all-gather of the owned history pages of the latent
+   cache and SGLang's own store of the current chunk into the dense view -- then the stock
+   ``forward_extend`` with the dense view as its KV cache. Both views are released when
+   it returns.
 
 A collective happens only when the sequence has history (M_h > 0), and its size
 derives from the logical page list (identical on all ranks). Pages move as int64
@@ -26,9 +26,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from sglang_cp_shared_kv import kernels
-from sglang_cp_shared_kv.batch_state import CpSharedBatchState, batch_state_of
 from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.forward.writes import store_mla_rows_into
+from sglang_cp_shared_kv.kernels import KernelDispatch
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,8 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
     return buffer.reshape(-1).view(torch.uint8).view(torch.int64).view(num_pages, -1)
 
 
-def gather_region(dense_words: torch.Tensor, region: Tuple[int, int], shard_words: torch.Tensor,
-                  send_pages: torch.Tensor, group) -> int:
+def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
+                  shard_words: torch.Tensor, send_pages: torch.Tensor, group) -> int:
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
     Returns the bytes this rank received (0: no collective, on every rank alike)."""
     start, end = region
@@ -50,7 +51,9 @@ def gather_region(dense_words: torch.Tensor, region: Tuple[int, int], shard_word
     return (end - start - packed.shape[0]) * packed.shape[1] * 8
 
 
-def _new_dense(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.Tensor:
+def new_dense_view(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.Tensor:
+    """An uninitialised dense view of ``num_rows`` rows shaped like ``like``; only the dummy
+    page (the first ``page_rows`` rows) is zeroed."""
     dense = torch.empty((num_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
     dense[:page_rows].zero_()  # the dummy page: padding rows land here, nothing valid reads it
     return dense
@@ -80,8 +83,8 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     pool.clear_views()
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_index_buffer(layer_id)
-    dense = _new_dense(shard, page_map.num_dense_pages, 1)
-    received = gather_region(page_words(dense, page_map.num_dense_pages), page_map.history_region,
+    dense = new_dense_view(shard, page_map.num_dense_pages, 1)
+    received = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
                              page_words(shard, shard.shape[0]), page_map.history_send, state.group)
     store_chunk_into(dense)
     if state.debug:
@@ -101,15 +104,15 @@ def materialize_mla(state: CpSharedBatchState, pool, layer,
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_kv_buffer(layer.layer_id)
     shard_pages = shard.shape[0] // page_size
-    dense = _new_dense(shard, page_map.num_dense_pages * page_size, page_size)
+    dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
     dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard_pages)
-    received = gather_region(dense_words, page_map.history_region, shard_words,
+    received = gather_region(state.kernels, dense_words, page_map.history_region, shard_words,
                              page_map.history_send, state.group)
     if chunk is None:
-        received += gather_region(dense_words, page_map.current_region, shard_words,
+        received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
                                   page_map.current_send, state.group)
     else:
-        pool.store_rows_into(dense, layer, state.dense_out_locs, *chunk)
+        store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
         if state.debug:
             dense_locs = state.dense_out_locs.index_select(0, state.owned_rows)
             _check_owned_rows_match(state, "MLA", shard[state.owned_physical_locs], dense[dense_locs])
@@ -117,21 +120,3 @@ def materialize_mla(state: CpSharedBatchState, pool, layer,
         logger.debug("CP shared KV layer %d MLA: dense %d pages, received %d B%s", layer.layer_id,
                      page_map.num_dense_pages, received, "" if chunk is not None else " (full view)")
     return dense
-
-
-def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batch,
-                                 save_kv_cache=True, **kwargs):
-    """AROUND ``NativeSparseAttnBackend.forward_extend``."""
-    state = batch_state_of(forward_batch)
-    if state is None:
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
-    pool = forward_batch.token_to_kv_pool
-    k_rope = kwargs.get("k_rope")
-    chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
-    if chunk is not None:
-        pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
-    pool.set_mla_view(layer.layer_id, materialize_mla(state, pool, layer, chunk))
-    try:
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
-    finally:
-        pool.clear_views()  # this layer's index reads are done too

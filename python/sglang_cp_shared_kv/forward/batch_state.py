@@ -1,19 +1,20 @@
 """Per-forward shared-KV state, built once per batch and reused by every layer.
 
-``NativeSparseAttnBackend.init_forward_metadata`` AFTER (:func:`attach_batch_state`)
-runs after SGLang's CP padding and its own metadata, once per forward, before the
-model. When the batch runs on the shared-KV pool it
+:func:`build_batch_state` runs from the ``init_forward_metadata`` hook (after SGLang's CP
+padding and its own metadata, once per forward, before the model). For one sequence it
+computes, on the device,
 
-* computes, on the device, the physical locations of the rows this rank owns, the
-  dense placement of the sequence's pages (:mod:`dense_layout`) and from it the
+* the rows of ``out_cache_loc`` this rank owns and their physical locations
+  (:func:`owned_rows_of` hands them to every owner store of this forward);
+* the dense placement of the sequence's pages (:mod:`.dense_layout`) and from it the
   *page inverse*, a logical page -> dense page table;
-* translates the backend's page tables (``page_table_1``, ``real_page_table``,
-  ``page_table_1_flattened``) and ``out_cache_loc`` through the page inverse (one
-  lookup per entry, :func:`kernels.remap_locs`), so the indexer's fused top-k (which
-  builds its indices from ``page_table_1``), the index reads and the attention kernels
-  all address the dense scratch, untouched;
-* attaches the state to the batch (``forward_batch.uses_cp_shared_kv``,
-  ``forward_batch.cp_shared_kv_layout``, ``forward_batch.cp_shared_kv``) and to the pool.
+* the dense location of every ``out_cache_loc`` row.
+
+:func:`dense_metadata` then translates the backend's page tables (``page_table_1``,
+``real_page_table``, ``page_table_1_flattened``) through the page inverse (one lookup per
+entry, :meth:`KernelDispatch.remap_locs`), so the indexer's fused top-k (which builds its
+indices from ``page_table_1``), the index reads and the attention kernels all address the
+dense scratch, untouched.
 
 Host synchronisation: two per batch (the owned-row count and the dense block sizes);
 none per layer.
@@ -24,14 +25,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
-from sglang_cp_shared_kv import kernels
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, debug_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.dense_layout import DensePageMap, build_dense_page_map
+from sglang_cp_shared_kv.forward.dense_layout import DensePageMap, build_dense_page_map
+from sglang_cp_shared_kv.kernels import KernelDispatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class CpSharedBatchState:
     """Everything a layer needs to write its shard and read the dense view."""
 
     layout: CpSharedKVLayout
+    kernels: KernelDispatch
     group: object  # torch.distributed ProcessGroup of the attention CP ranks
     page_map: DensePageMap
     prefix_len: int
@@ -61,12 +64,23 @@ class CpSharedBatchState:
         return int(self.owned_rows.numel())
 
 
+def owned_rows_of(layout: CpSharedKVLayout, state: Optional[CpSharedBatchState],
+                  loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows of ``loc`` this rank owns, their physical locations).
+
+    The batch's own ``out_cache_loc`` reuses the rows computed once per forward; any
+    other location tensor is filtered here (one host synchronisation).
+    """
+    if state is not None and loc is state.out_cache_loc:
+        return state.owned_rows, state.owned_physical_locs
+    rows = layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1)
+    return rows, layout.logical_locs_to_physical(loc.index_select(0, rows), validate=False)
+
+
 def cp_device_group(layout: CpSharedKVLayout):
     """The attention-CP process group SGLang set up for this rank, checked against the layout
     (the all-gather output is ordered by group rank, the layout by CP rank)."""
-    from sglang.srt.layers.dp_attention import get_attention_cp_group
-
-    group = get_attention_cp_group().device_group
+    group = sg.get_attention_cp_group().device_group
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     if (rank, size) != (layout.cp_rank, layout.cp_size):
         raise RuntimeError(
@@ -75,8 +89,8 @@ def cp_device_group(layout: CpSharedKVLayout):
     return group
 
 
-def build_batch_state(layout: CpSharedKVLayout, group, *, seq_pages: torch.Tensor, prefix_len: int,
-                      extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
+def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, *, seq_pages: torch.Tensor,
+                      prefix_len: int, extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
                       debug: bool) -> CpSharedBatchState:
     """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``
     (pages numbered below ``num_logical_pages``)."""
@@ -84,33 +98,57 @@ def build_batch_state(layout: CpSharedKVLayout, group, *, seq_pages: torch.Tenso
     history_pages = -(-prefix_len // page_size)
     page_map = build_dense_page_map(layout, seq_pages, history_pages)
 
-    owned = layout.owned_by_this_rank(out_cache_loc, validate=False)
-    owned_rows = owned.nonzero().squeeze(1)
-    owned_physical_locs = layout.logical_locs_to_physical(out_cache_loc[owned_rows], validate=False)
-
+    owned_rows, owned_physical_locs = owned_rows_of(layout, None, out_cache_loc)
     page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
     # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.
     dense_out_locs = kernels.remap_locs(out_cache_loc, page_inverse, page_size)
     return CpSharedBatchState(
-        layout=layout, group=group, page_map=page_map, prefix_len=prefix_len, extend_len=extend_len,
-        out_cache_loc=out_cache_loc, owned_rows=owned_rows, owned_physical_locs=owned_physical_locs,
-        page_inverse=page_inverse, dense_out_locs=dense_out_locs, debug=debug,
+        layout=layout, kernels=kernels, group=group, page_map=page_map, prefix_len=prefix_len,
+        extend_len=extend_len, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
+        owned_physical_locs=owned_physical_locs, page_inverse=page_inverse, dense_out_locs=dense_out_locs,
+        debug=debug,
     )
 
 
 def dense_metadata(metadata, state: CpSharedBatchState):
     """``metadata`` (SGLang's frozen ``NSAMetadata``) with its page tables translated to
     the dense scratch. Entries past the sequence (never read) are set to the dummy page."""
-    page_size = state.layout.page_size
-    dense_table = kernels.remap_locs(metadata.page_table_1, state.page_inverse, page_size)
+    page_size, remap = state.layout.page_size, state.kernels.remap_locs
+    dense_table = remap(metadata.page_table_1, state.page_inverse, page_size)
     dense_table[:, state.seq_len:] = 0
-    dense_real = kernels.remap_locs(metadata.real_page_table, state.page_inverse, 1)
+    dense_real = remap(metadata.real_page_table, state.page_inverse, 1)
     dense_real[:, state.page_map.num_pages:] = 0
     replaced = dict(page_table_1=dense_table, real_page_table=dense_real)
     if metadata.page_table_1_flattened is not None:
         replaced["page_table_1_flattened"] = dense_table[0, : state.seq_len].to(
             metadata.page_table_1_flattened.dtype)
     return dataclasses.replace(metadata, **replaced)
+
+
+def build_for_forward(pool, metadata, forward_batch) -> Optional[CpSharedBatchState]:
+    """The state of ``forward_batch`` on the shared-KV ``pool`` (``metadata``: the NSA
+    backend's), or None for an idle batch; refuses what a shared-KV prefill rank cannot run."""
+    mode = forward_batch.forward_mode
+    if mode.is_idle():
+        return None
+    if not mode.is_extend_without_speculative():
+        raise NotImplementedError(
+            f"{FLAG}: forward mode {mode.name} on a shared-KV prefill rank; only prefill "
+            "(extend) runs here, decode runs on the decode server (a non-PD test server needs "
+            "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
+    if forward_batch.batch_size != 1:
+        raise NotImplementedError(
+            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; NSA in-seq-split "
+            "CP prefill runs one request per batch")
+    prefix_len = int(forward_batch.extend_prefix_lens_cpu[0])
+    extend_len = int(forward_batch.extend_seq_lens_cpu[0])
+    num_pages = -(-(prefix_len + extend_len) // pool.page_size)
+    layout = pool.cp_layout
+    return build_batch_state(
+        layout, pool.context.kernels, cp_device_group(layout), seq_pages=metadata.real_page_table[0, :num_pages],
+        prefix_len=prefix_len, extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
+        num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(),
+    )
 
 
 # ------------------------------------------------------------------------- checks
@@ -158,50 +196,3 @@ def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
         "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
         state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
         page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
-
-
-# --------------------------------------------------------------------------- hook
-def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
-    """AFTER ``NativeSparseAttnBackend.init_forward_metadata``."""
-    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
-
-    pool = forward_batch.token_to_kv_pool
-    if not isinstance(pool, CpSharedNSATokenToKVPool):
-        return result
-    pool.end_batch()
-    mode = forward_batch.forward_mode
-    if mode.is_idle():
-        return result
-    if not mode.is_extend_without_speculative():
-        raise NotImplementedError(
-            f"{FLAG}: forward mode {mode.name} on a shared-KV prefill rank; only prefill "
-            "(extend) runs here, decode runs on the decode server (a non-PD test server needs "
-            "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
-    if forward_batch.batch_size != 1:
-        raise NotImplementedError(
-            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; NSA in-seq-split "
-            "CP prefill runs one request per batch")
-    metadata = backend.forward_metadata
-    prefix_len = int(forward_batch.extend_prefix_lens_cpu[0])
-    extend_len = int(forward_batch.extend_seq_lens_cpu[0])
-    seq_len = prefix_len + extend_len
-    num_pages = -(-seq_len // pool.page_size)
-    state = build_batch_state(
-        pool.cp_layout, cp_device_group(pool.cp_layout),
-        seq_pages=metadata.real_page_table[0, :num_pages], prefix_len=prefix_len,
-        extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
-        num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(),
-    )
-    dense = dense_metadata(metadata, state)
-    if state.debug:
-        check_batch_state(state, metadata, dense, pool)
-    backend.forward_metadata = dense
-    forward_batch.uses_cp_shared_kv = True
-    forward_batch.cp_shared_kv_layout = pool.cp_layout
-    forward_batch.cp_shared_kv = state
-    pool.begin_batch(state)
-    return result
-
-
-def batch_state_of(forward_batch) -> Optional[CpSharedBatchState]:
-    return getattr(forward_batch, "cp_shared_kv", None)

@@ -1,0 +1,45 @@
+"""The per-process state of one shared-KV model runner, in one object.
+
+A :class:`CpSharedKVContext` is created when the scheduler process builds its KV pool
+(``capacity.build_pools``), bound to that pool (``pool.context``) and reached from there:
+by the forward hooks through ``forward_batch.token_to_kv_pool``, by the metrics through
+the scheduler's model runner, by the PD transfer through the pool its bootstrap queue
+registers. Nothing of it lives in a module global, so two engines in one process -- or a
+test building two configurations side by side -- each have their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.kernels import KernelDispatch
+
+
+@dataclass(frozen=True)
+class CapacitySplit:
+    """What one CP rank stores and what its group exposes (set once the pool exists)."""
+
+    physical_tokens_per_rank: int
+    logical_tokens: int
+    cp_size: int
+    cp_rank: int
+    page_size: int
+    kv_gb_per_rank: float
+    max_running_requests: int
+
+
+@dataclass(eq=False)
+class CpSharedKVContext:
+    """One CP rank's shared-KV state for the lifetime of its pool."""
+
+    layout: CpSharedKVLayout
+    #: kernel or reference per call, and the kernels that raised in this process
+    kernels: KernelDispatch = field(default_factory=KernelDispatch)
+    #: the capacity figures, once ``init_memory_pool`` has built the pool (None before)
+    split: Optional[CapacitySplit] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, CpSharedKVLayout):
+            raise TypeError(f"CpSharedKVContext needs a CpSharedKVLayout, got {type(self.layout).__name__}")

@@ -1,0 +1,17 @@
+"""The shared-KV prefill forward path, one module per step; imports point down this list:
+
+1. :mod:`.dense_layout` -- where each page of a sequence sits in the dense scratch;
+2. :mod:`.batch_state` -- the per-batch state, built once per forward (owned rows, the
+   dense placement, the page inverse, the remapped page tables);
+3. :mod:`.writes` -- owner-only stores into this rank's shard, and stores of the current
+   chunk into a dense view;
+4. :mod:`.materialize` -- the dense views the stock NSA kernels read, layer by layer;
+5. :mod:`.in_seq_rerange` -- SGLang's in-seq CP all-gather, re-ordered by one kernel;
+6. :mod:`.hooks` -- the hook functions ``plugin.HOOKS`` names; they translate SGLang's
+   arguments and call the modules above.
+
+The per-batch state has one home: the shared-KV pool (``pool.batch_state``), which every
+hook reaches through ``forward_batch.token_to_kv_pool`` and which SGLang's own MLA writers
+reach as ``self``. This package's ``__init__`` imports nothing, so the pool can import
+:mod:`.writes` without importing the hooks.
+"""

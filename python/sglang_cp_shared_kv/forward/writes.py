@@ -1,0 +1,107 @@
+"""Owner-only KV and index writes, and the current chunk's stores into a dense view.
+
+A rank stores only the rows of the pages it owns, at their physical locations:
+
+* MLA latent rows: :func:`store_owned_mla_rows`, called by
+  ``CpSharedNSATokenToKVPool.set_mla_kv_buffer`` (every CUDA MLA writer of SGLang goes
+  through it);
+* NSA index K/scale: :func:`store_owned_index_rows`, from the ``_store_index_k_cache``
+  hook (:mod:`.hooks`).
+
+The materialize step (:mod:`.materialize`) stores the current chunk into the layer's dense
+view with :func:`store_mla_rows_into` and :func:`store_index_rows_into`.
+
+Every store takes the fused kernel of ``sgl-kernel/`` where it writes SGLang's bytes
+(:class:`~sglang_cp_shared_kv.kernels.KernelDispatch`), and SGLang's own store otherwise,
+so the bytes are always exactly those a stock pool would hold for the same rows. Rows
+on the dummy page 0 (SGLang's padding) have no owner and are never written to a shard.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, owned_rows_of
+from sglang_cp_shared_kv.scoped import attributes_set
+
+
+# -------------------------------------------------------------------------- MLA rows
+def store_owned_mla_rows(pool, layer, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
+    """Write the rows of ``loc`` this rank owns at their physical locations; drop the rest."""
+    rows, physical_locs = owned_rows_of(pool.cp_layout, pool.batch_state, loc)
+    if not rows.numel():
+        return
+
+    def stock():
+        sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, physical_locs, k_nope.index_select(0, rows),
+                                              k_rope.index_select(0, rows))
+
+    pool.context.kernels.store_mla_rows(pool.physical_kv_buffer(layer.layer_id), rows, physical_locs, k_nope,
+                                        k_rope, packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+
+
+def store_mla_rows_into(pool, buffer: torch.Tensor, layer, locs: torch.Tensor, k_nope: torch.Tensor,
+                        k_rope: torch.Tensor) -> None:
+    """SGLang's MLA store (fp8 quantisation included) of every row into ``buffer`` at
+    ``locs``: the bytes are exactly those a stock pool would hold for these rows."""
+    def stock():
+        index = layer.layer_id - pool.start_layer
+        physical = pool.kv_buffer[index]
+        pool.kv_buffer[index] = buffer  # SGLang's store writes self.kv_buffer[layer]
+        try:
+            sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, locs, k_nope, k_rope)
+        finally:
+            pool.kv_buffer[index] = physical
+
+    pool.context.kernels.store_mla_rows(buffer, None, locs, k_nope, k_rope,
+                                        packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+
+
+# ------------------------------------------------------------------------ index rows
+_FUSED_INDEX_STORE: dict = {}  # (key dtype, location dtype, page size) -> SGLang takes its fused path
+
+
+def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_size: int) -> bool:
+    """Whether SGLang's index store takes its fused CUDA path for these dtypes (our kernel
+    reproduces that path's bytes, not the act_quant fallback's). A fact of the installed
+    SGLang and these dtypes, the same in every process: cached per module."""
+    if not key.is_cuda:
+        return False
+    flags = (key.dtype, locs.dtype, page_size)
+    if flags not in _FUSED_INDEX_STORE:
+        _FUSED_INDEX_STORE[flags] = not sg.is_fp8_fnuz() and sg.can_use_nsa_fused_store(*flags)
+    return _FUSED_INDEX_STORE[flags]
+
+
+def _store_index_rows(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
+                      rows: Optional[torch.Tensor], locs: torch.Tensor, buffer: torch.Tensor) -> None:
+    """Key ``rows`` (None: all) at index locations ``locs`` of ``buffer``, by the fused kernel
+    or by ``sglang_store(forward_batch, layer_id, key)``: SGLang's own store, which writes
+    at ``forward_batch.out_cache_loc`` into the buffer the pool names for the layer."""
+    pool = forward_batch.token_to_kv_pool
+
+    def stock():
+        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, buffer):
+            sglang_store(forward_batch, layer_id, key if rows is None else key.index_select(0, rows))
+
+    if _sglang_uses_fused_index_store(key, locs, pool.page_size):
+        pool.context.kernels.store_index_rows(buffer, rows, locs, key, stock=stock, page_size=pool.page_size)
+    else:
+        stock()
+
+
+def store_owned_index_rows(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
+                           key: torch.Tensor) -> None:
+    """The index keys of the rows this rank owns, at their physical locations in its shard."""
+    if state.num_owned_rows:
+        _store_index_rows(sglang_store, forward_batch, layer_id, key, state.owned_rows, state.owned_physical_locs,
+                          forward_batch.token_to_kv_pool.physical_index_buffer(layer_id))
+
+
+def store_index_rows_into(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
+                          key: torch.Tensor, dense: torch.Tensor) -> None:
+    """Every index key of the chunk at its dense location in the layer's dense view."""
+    _store_index_rows(sglang_store, forward_batch, layer_id, key, None, state.dense_out_locs, dense)

@@ -1,0 +1,72 @@
+"""Every SGLang symbol the plugin imports, in one table (the hook targets are the other
+table, ``plugin.HOOKS``).
+
+The plugin's modules never ``import sglang...`` themselves (a unit test walks the package
+and enforces it); they read SGLang through this module::
+
+    from sglang_cp_shared_kv import sglang_api as sg
+
+    class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool): ...
+    group = sg.get_attention_cp_group()
+
+Each name resolves when it is used (PEP 562 ``__getattr__``), so importing the plugin costs
+nothing until a symbol is needed: the plugin loader imports ``plugin.py`` in every SGLang
+process, the tokenizer and the router included.
+
+A port to a newer SGLang (0.5.13+ renames NSA to DSA and ``in-seq-split`` to ``zigzag``;
+see docs/design.md, "Porting") changes this table, the hook table and the hooks whose
+targets changed shape, nothing else.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Dict, Tuple
+
+SGLANG_VERSION = "0.5.12.post1"
+
+#: name -> (module, attribute); attribute None: the module itself.
+SYMBOLS: Dict[str, Tuple[str, str | None]] = {
+    # --- KV pool and allocator (subclassed; their module globals rebound while pools are built)
+    "NSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool"),
+    "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
+    "model_runner_kv_cache_mixin": ("sglang.srt.model_executor.model_runner_kv_cache_mixin", None),
+    # --- NSA forward path
+    "index_buf_accessor": ("sglang.srt.layers.attention.nsa.index_buf_accessor", None),
+    "can_use_nsa_fused_store": ("sglang.jit_kernel.fused_store_index_cache", "can_use_nsa_fused_store"),
+    "is_fp8_fnuz": ("sglang.srt.layers.quantization.fp8_kernel", "is_fp8_fnuz"),
+    "is_nsa_prefill_cp_round_robin_split": ("sglang.srt.layers.attention.nsa.utils",
+                                            "is_nsa_prefill_cp_round_robin_split"),
+    "cp_utils": ("sglang.srt.layers.utils.cp_utils", None),
+    "get_attention_cp_group": ("sglang.srt.layers.dp_attention", "get_attention_cp_group"),
+    "get_attention_cp_rank": ("sglang.srt.layers.dp_attention", "get_attention_cp_rank"),
+    "get_attention_cp_size": ("sglang.srt.layers.dp_attention", "get_attention_cp_size"),
+    # --- configuration
+    "is_deepseek_nsa": ("sglang.srt.configs.model_config", "is_deepseek_nsa"),
+    "envs": ("sglang.srt.environ", "envs"),
+    # --- PD transfer (Mooncake)
+    "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
+    "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
+    "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
+    "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
+    "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
+    "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
+    # --- the plugin framework
+    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
+    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
+}
+
+
+def resolve(name: str):
+    """The SGLang object ``name`` of :data:`SYMBOLS` (its module imported on first use)."""
+    module_name, attribute = SYMBOLS[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
+
+
+def __getattr__(name: str):
+    if name not in SYMBOLS:
+        raise AttributeError(f"{__name__} has no SGLang symbol {name!r}; add it to SYMBOLS")
+    # NOTE: looked up on every use, never cached here: the hook registry and the tests
+    # rebind module attributes of SGLang, and this must see what SGLang itself sees.
+    return resolve(name)

@@ -1,0 +1,101 @@
+"""Multi-process CP harness: is what the stock NSA kernels read with shared KV bit-identical
+to what they read on a replicated (flag-off) pool?
+
+N rank processes over ``torch.distributed`` gloo, each with SGLang's attention-CP
+``GroupCoordinator`` set up as in a server, hold
+
+* the plugin's ``CpSharedNSATokenToKVPool`` (this rank's shard) and allocator, and
+* a stock ``NSATokenToKVPool`` of the same logical size: the replicated baseline,
+
+and run the same requests through both. For each forward the harness builds SGLang's
+real ``ForwardBatch`` and ``NSAMetadata`` (as ``init_forward_metadata`` builds them for
+one in-seq-split request; :mod:`.cp_rig`) and drives the plugin's real hook functions
+(:mod:`sglang_cp_shared_kv.forward.hooks`):
+
+* ``attach_batch_state`` (the ``init_forward_metadata`` AFTER hook),
+* ``store_index_k_owned_and_dense`` around SGLang's real
+  ``Indexer._store_index_k_cache`` (on CPU its fallback path: ``act_quant`` +
+  ``set_index_k_scale_buffer``; on CUDA its fused JIT store),
+* ``forward_extend_on_dense_view`` around
+  :func:`.attention_reference.stock_forward_extend_inputs`,
+  which does what the stock ``forward_extend`` does before its kernel call (store the
+  chunk, fetch the KV cache) and records what the kernel would receive.
+
+Attention kernels cannot run on a CPU, so the harness compares what they would read:
+the index K/scale the indexer reads (full and rank-dependent lengths, the fused
+K+scale read too), the top-k positions of a torch reference indexer, the KV rows each
+top-k index selects (the sparse kernels' input), the rows ``page_table_1_flattened``
+selects (the fp8 RAGGED dequantize input), and the output of a torch reference of
+sparse MLA attention over them. Everything must match bit for bit.
+
+Mismatches are collected, never raised mid-scenario, so every rank keeps issuing the
+same collectives; the parent process enforces a deadline and kills stragglers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+
+from sglang_cp_shared_kv.testing.cp_rig import Rig
+from sglang_cp_shared_kv.testing.cp_scenarios import SCENARIOS
+from sglang_cp_shared_kv.testing.support import free_port, gloo_attention_cp_group, run_rank_processes
+
+
+# ============================================================ parent side
+def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
+                 timeout_s: float = 1200.0) -> Dict[str, dict]:
+    """Run ``jobs`` = [(scenario, dtype, debug)] on ``n`` ranks, debug being "on", "off" or
+    "alternate" (per forward); return, per ``scenario/dtype/debug`` key, the merged
+    outcome of all ranks."""
+    import torch.multiprocessing as mp
+
+    out_dir = tempfile.mkdtemp(prefix=f"cp-harness-{n}-")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    per_rank = run_rank_processes(ctx, _rank_main, n, out_dir, args=(n, port, out_dir, jobs, device),
+                                  timeout_s=timeout_s, what="CP harness")
+    merged: Dict[str, dict] = {}
+    for r, result in enumerate(per_rank):
+        for key, outcome in result["scenarios"].items():
+            entry = merged.setdefault(key, {"errors": [], "stats": outcome["stats"]})
+            entry["errors"] += [f"rank {r}: {e}" for e in outcome["errors"]]
+    return merged
+
+
+# ============================================================== rank side
+def _rank_main(rank, n, port, out_dir, jobs, device):
+    result: dict = {"scenarios": {}}
+    try:
+        group = _init_process(rank, n, port, device)
+        for name, dtype_name, debug in jobs:
+            rig = Rig(rank, n, dtype_name, group, device, debug=debug)
+            SCENARIOS[name](rig)
+            result["scenarios"][f"{name}/{dtype_name}/debug={debug}"] = {
+                "errors": rig.errors[:20], "stats": rig.stats}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result["fatal"] = traceback.format_exc()[-4000:]
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+
+
+def _init_process(rank: int, n: int, port: int, device: str):
+    """gloo world + SGLang's attention-CP GroupCoordinator over it, as SGLang sets them up."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(0)  # several ranks share one GPU over gloo
+    else:
+        from sglang_cp_shared_kv.testing import torch_standins
+
+        torch_standins.install()
+    local_rank = 0 if device == "cuda" else rank  # on CUDA all ranks share GPU 0
+    return gloo_attention_cp_group(rank, n, port, local_rank=local_rank, timeout_s=300)

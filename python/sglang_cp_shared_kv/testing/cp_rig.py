@@ -1,0 +1,234 @@
+"""One CP rank's rig: the plugin's shared-KV pool and allocator beside a stock replicated
+pool of the same logical size, the same requests run through both, and every forward
+driven through the plugin's real hook functions (:mod:`sglang_cp_shared_kv.forward.hooks`)
+around SGLang's real classes (``ForwardBatch``, ``NSAMetadata``, ``Indexer._store_index_k_cache``).
+
+Per layer it compares, bit for bit: the index K/scale the indexer reads (full and
+rank-dependent lengths, the fused K+scale read too), the top-k of a torch reference
+indexer, and the kernel inputs and reference attention output of
+:mod:`.attention_reference`. Mismatches are collected in ``errors``, never raised, so
+every rank keeps issuing the same collectives.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import List
+
+import torch
+
+from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
+from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK as KV_LORA_RANK
+from sglang_cp_shared_kv.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.kv_geometry import mla_kv_cache_dim
+from sglang_cp_shared_kv.testing.attention_reference import (
+    TOPK,
+    as_bytes,
+    reference_topk,
+    stock_forward_extend_inputs,
+    transform_topk,
+)
+
+LAYERS = 2
+Q_HEADS = 2
+INDEX_HEADS = 2
+MAX_REQS, MAX_LEN = 64, 4096
+# Attention and the reference indexer run for every QUERY_STRIDE-th query token (and the
+# last); the KV rows of *every* position of the sequence are compared regardless.
+QUERY_STRIDE = 4
+DTYPES = {"bf16": (torch.bfloat16, mla_kv_cache_dim("bf16")),
+          "fp8_e4m3": (torch.float8_e4m3fn, mla_kv_cache_dim("fp8_e4m3"))}
+
+
+@dataclass
+class Request:
+    slot: int
+    seq_len: int = 0
+    pages: List[int] = field(default_factory=list)
+
+
+class Rig:
+    """One rank's pools, allocator and request table for one (dtype, debug) config."""
+
+    def __init__(self, rank: int, n: int, dtype_name: str, group, device: str, debug: str = "off",
+                 physical_pages: int = 24):
+        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+        from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
+        from sglang_cp_shared_kv.context import CpSharedKVContext
+        from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+        from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+
+        self.rank, self.n, self.dtype_name, self.device, self.debug = rank, n, dtype_name, device, debug
+        dtype, dim = DTYPES[dtype_name]
+        self.fp8 = dtype_name == "fp8_e4m3"
+        kwargs = dict(page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=dtype, qk_rope_head_dim=ROPE_DIM,
+                      layer_num=LAYERS, device=device, index_head_dim=INDEX_DIM, enable_memory_saver=False,
+                      kv_cache_dim=dim)
+        logical = physical_pages * PAGE * n
+        self.layout = CpSharedKVLayout(PAGE, n, rank)
+        self.shared = CpSharedNSATokenToKVPool(logical, context=CpSharedKVContext(self.layout), **kwargs)
+        self.replicated = NSATokenToKVPool(logical, **kwargs)
+        self.allocator = CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, dtype, device, self.shared, True)
+        self.req_to_token = torch.zeros((MAX_REQS, MAX_LEN), dtype=torch.int32, device=device)
+        self.free_slots = list(range(MAX_REQS))
+        self.indexer = SimpleNamespace(block_size=128, scale_fmt=None)
+        self.layers = [SimpleNamespace(layer_id=i) for i in range(LAYERS)]
+        self.errors: List[str] = []
+        self.stats = {"forwards": 0, "layers": 0, "topk_rows": 0}
+        self.forward_counter = 0
+
+    # ------------------------------------------------------------ requests
+    def new_request(self) -> Request:
+        return Request(slot=self.free_slots.pop(0))
+
+    def share_prefix(self, donor: Request, pages: int) -> Request:
+        """A radix-cache hit: a new request whose first ``pages`` pages are the donor's."""
+        req = self.new_request()
+        tokens = pages * PAGE
+        self.req_to_token[req.slot, :tokens] = self.req_to_token[donor.slot, :tokens]
+        req.seq_len, req.pages = tokens, donor.pages[:pages]
+        return req
+
+    def release(self, req: Request, still_used: set) -> None:
+        """Free the pages only ``req`` uses (shared prefix pages stay with their other users)."""
+        own = [p for p in dict.fromkeys(req.pages) if p not in still_used]
+        if own:
+            locs = (torch.tensor(own, dtype=torch.int64, device=self.device)[:, None] * PAGE
+                    + torch.arange(PAGE, device=self.device)).reshape(-1)
+            self.allocator.free(locs)
+        self.free_slots.append(req.slot)
+
+    def extend(self, req: Request, extend_len: int, *, full_view_layers=(), pad_rows: int = 0) -> bool:
+        """One prefill forward of ``extend_len`` tokens of ``req``; False if out of memory."""
+        t = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
+        host = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731 (SGLang's *_cpu arguments)
+        prefix = req.seq_len
+        last = int(self.req_to_token[req.slot, prefix - 1]) if prefix else -1
+        locs = self.allocator.alloc_extend(t(prefix), host(prefix), t(prefix + extend_len),
+                                           host(prefix + extend_len), t(last), extend_len)
+        if locs is None:
+            return False
+        self.req_to_token[req.slot, prefix: prefix + extend_len] = locs.to(torch.int32)
+        req.seq_len += extend_len
+        req.pages = [int(x) for x in (self.req_to_token[req.slot, : req.seq_len: PAGE] // PAGE).tolist()]
+        self.run_forward(req, prefix, extend_len, locs, full_view_layers, pad_rows)
+        return True
+
+    # ------------------------------------------------------------ forward
+    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
+        from sglang.srt.layers.attention.nsa_backend import NSAMetadata
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+        seq_len = prefix + extend_len
+        dev = self.device
+        page_table = self.req_to_token[req.slot: req.slot + 1, :seq_len]
+        seqlens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, seq_len], dtype=torch.int32, device=dev)
+        cu_q = torch.tensor([0, extend_len], dtype=torch.int32, device=dev)
+        expanded = torch.arange(prefix + 1, seq_len + 1, dtype=torch.int32, device=dev)
+        ragged = self.fp8 and prefix > 0  # fp8 + flashmla_sparse reads page_table_1_flattened
+        metadata = NSAMetadata(
+            page_size=PAGE, cache_seqlens_int32=seqlens, max_seq_len_q=extend_len, max_seq_len_k=seq_len,
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, page_table_1=page_table,
+            real_page_table=page_table[:, ::PAGE] // PAGE,
+            nsa_cache_seqlens_int32=expanded.clamp(max=TOPK), nsa_cu_seqlens_q=cu_q,
+            nsa_cu_seqlens_k=cu_k, nsa_extend_seq_lens_list=[extend_len], nsa_seqlens_expanded=expanded,
+            seq_lens_sum=seq_len, page_table_1_flattened=page_table[0, :seq_len] if ragged else None,
+        )
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1,
+            input_ids=torch.zeros(out_cache_loc.numel(), dtype=torch.int64, device=dev),
+            req_pool_indices=torch.tensor([req.slot], device=dev), seq_lens=seqlens.long(),
+            out_cache_loc=out_cache_loc, seq_lens_sum=seq_len, seq_lens_cpu=torch.tensor([seq_len]),
+            extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len],
+            extend_num_tokens=extend_len, token_to_kv_pool=pool,
+        )
+        backend = SimpleNamespace(forward_metadata=metadata)
+        fb.attn_backend = backend
+        return fb, backend
+
+    def _rand(self, gen, *shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, generator=gen).to(dtype).to(self.device)
+
+    def run_forward(self, req, prefix, extend_len, locs, full_view_layers, pad_rows):
+        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+        from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
+
+        from sglang_cp_shared_kv.forward.hooks import (
+            attach_batch_state,
+            forward_extend_on_dense_view,
+            store_index_k_owned_and_dense,
+        )
+
+        seq_len = prefix + extend_len
+        debug_on = self.debug == "on" or (self.debug == "alternate" and self.forward_counter % 2 == 1)
+        os.environ[DEBUG_ENV] = "1" if debug_on else "0"  # read once per batch, by attach_batch_state
+        rows = extend_len + pad_rows  # SGLang pads the CP chunk with location-0 rows
+        out_cache_loc = torch.cat([locs, torch.zeros(pad_rows, dtype=torch.int64, device=self.device)])
+        fb_s, be_s = self._batch(self.shared, req, prefix, extend_len, out_cache_loc)
+        fb_r, be_r = self._batch(self.replicated, req, prefix, extend_len, out_cache_loc)
+        attach_batch_state(None, be_s, fb_s)
+        gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
+        self.forward_counter += 1
+        for layer in self.layers:
+            lid = layer.layer_id
+            where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
+            # ---- indexer: store, then what its kernels read
+            key = self._rand(gen, rows, INDEX_DIM)
+            store_index_k_owned_and_dense(Indexer._store_index_k_cache, self.indexer, fb_s, lid, key,
+                                          act_quant=act_quant)
+            Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant)
+            k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
+            queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
+                                              torch.tensor([extend_len - 1])])).to(self.device)
+            positions = reference_topk(self._rand(gen, len(queries), INDEX_HEADS, INDEX_DIM),
+                                       self._rand(gen, len(queries), INDEX_HEADS, dtype=torch.float32),
+                                       k_idx, prefix + queries)
+            topk_s = transform_topk(positions, be_s.forward_metadata.page_table_1)
+            topk_r = transform_topk(positions, be_r.forward_metadata.page_table_1)
+            # ---- MLA: store the chunk, read through the top-k, attend
+            k_nope = self._rand(gen, rows, 1, KV_LORA_RANK)
+            k_rope = self._rand(gen, rows, 1, ROPE_DIM)
+            q = self._rand(gen, len(queries), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
+            save = lid not in full_view_layers
+            if not save:  # the chunk was stored earlier by another writer: full-view read
+                self.shared.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
+                self.replicated.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
+            got = forward_extend_on_dense_view(stock_forward_extend_inputs, be_s, q, k_nope, k_nope, layer,
+                                               fb_s, save_kv_cache=save, k_rope=k_rope, topk_indices=topk_s,
+                                               fp8=self.fp8)
+            want = stock_forward_extend_inputs(be_r, q, k_nope, k_nope, layer, fb_r, save_kv_cache=save,
+                                               k_rope=k_rope, topk_indices=topk_r, fp8=self.fp8)
+            for name in want:
+                self._expect_equal(f"{where}: {name}", got[name], want[name])
+            self.stats["layers"] += 1
+            self.stats["topk_rows"] += int((positions >= 0).sum())
+        self.stats["forwards"] += 1
+        self.shared.end_batch()
+
+    def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
+        """The index K/scale the indexer kernels read, at the lengths the CP segments read."""
+        tables = be_s.forward_metadata.real_page_table, be_r.forward_metadata.real_page_table
+        split = prefix + (self.rank + 1) * extend_len // (self.n + 1)  # a rank-dependent kv_len
+        for kv_len in sorted({seq_len, max(split, 1)}):
+            for name in ("get_index_k_continuous", "get_index_k_scale_continuous"):
+                got = getattr(self.shared, name)(lid, kv_len, tables[0][0])
+                want = getattr(self.replicated, name)(lid, kv_len, tables[1][0])
+                self._expect_equal(f"{where}: {name}({kv_len})", got, want)
+        lens = torch.tensor([seq_len], dtype=torch.int64, device=self.device)
+        got = self.shared.get_index_k_scale_buffer(lid, lens, tables[0], seq_len, seq_len)
+        want = self.replicated.get_index_k_scale_buffer(lid, lens, tables[1], seq_len, seq_len)
+        for part, g, w in zip(("K", "scale"), got, want):
+            self._expect_equal(f"{where}: get_index_k_scale_buffer {part}", g, w)
+        k = want[0].view(torch.float8_e4m3fn).float() * want[1].view(torch.float32)
+        return k
+
+    def _expect_equal(self, what, got, want):
+        same = got.shape == want.shape and torch.equal(as_bytes(got), as_bytes(want))
+        if not same:
+            self.errors.append(f"{what}: differs (shapes {tuple(got.shape)} vs {tuple(want.shape)})")

@@ -1,0 +1,111 @@
+"""The scenarios the CP harness runs on every rank, in the same order (each a function of
+one :class:`~.cp_rig.Rig`): one chunk, chunked prefill with mid-page boundaries, radix
+prefix hits, a prefix ending mid-page, fewer pages than ranks, the phase-2 full view, a
+negative control (one corrupted history page must be caught) and a randomized soak.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List
+
+import numpy as np
+
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.testing.cp_rig import Request, Rig
+
+
+def single_chunk(rig: Rig):
+    req = rig.new_request()
+    rig.extend(req, 437, pad_rows=3)
+
+
+def chunked_prefill(rig: Rig):
+    req = rig.new_request()
+    for chunk in (200, 130, 256, 77):  # boundaries mid-page (200, 330, 663) and page-aligned
+        rig.extend(req, chunk, pad_rows=chunk % 3)
+
+
+def radix_prefix_hit(rig: Rig):
+    donor = rig.new_request()
+    rig.extend(donor, 500)
+    hit = rig.share_prefix(donor, pages=5)
+    rig.extend(hit, 300)
+
+
+def prefix_mid_page(rig: Rig):
+    req = rig.new_request()
+    rig.extend(req, 100)  # the prefix ends in the middle of page 2
+    rig.extend(req, 90)  # the next chunk starts on the shared page and ends mid-page too
+    rig.extend(req, 1)
+
+
+def fewer_pages_than_ranks(rig: Rig):
+    req = rig.new_request()
+    rig.extend(req, 70)  # two pages: with N > 2 some ranks own nothing
+    rig.extend(req, 5)
+    short = rig.new_request()
+    rig.extend(short, 10)
+
+
+def full_view_fallback(rig: Rig):
+    """The chunk was written earlier (save_kv_cache=False): the current region is gathered."""
+    req = rig.new_request()
+    rig.extend(req, 300, full_view_layers=(0, 1))
+    rig.extend(req, 150, full_view_layers=(1,))
+
+
+def corrupted_shard_is_detected(rig: Rig):
+    """Negative control: one rank corrupts one history page; the comparison must catch it."""
+    req = rig.new_request()
+    rig.extend(req, 256)
+    history_page = req.pages[1]
+    if rig.layout.owner_for_logical_pages_np([history_page])[0] == rig.rank:
+        physical = int(rig.layout.logical_pages_to_physical_np([history_page])[0])
+        rig.shared.kv_buffer[0][physical * PAGE: (physical + 1) * PAGE] = 0
+    before = len(rig.errors)
+    rig.extend(req, 64)
+    rig.stats["detected"] = len(rig.errors) > before
+    rig.errors.clear()
+
+
+def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
+    """Random request mixes: fresh and chunked requests, radix prefix hits, frees and page
+    reuse (so ownership of a sequence's pages gets uneven), padding rows."""
+    rng = np.random.default_rng(seed)
+    live: List[Request] = []
+
+    def users(exclude):
+        return {p for r in live if r is not exclude for p in r.pages}
+
+    for mix in range(mixes):
+        if live and (len(live) > 5 or rng.random() < 0.3):
+            victim = live.pop(int(rng.integers(len(live))))
+            rig.release(victim, users(victim))
+        donor = live[int(rng.integers(len(live)))] if live and rng.random() < 0.35 else None
+        if donor is not None and len(donor.pages) > 1:
+            req = rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
+        else:
+            req = rig.new_request()
+        total = int(rng.integers(1, 400))
+        cuts = sorted(set(rng.integers(1, total, size=int(rng.integers(0, 3))).tolist())) if total > 1 else []
+        chunks = np.diff([0, *cuts, total]).tolist()
+        ok = True
+        for chunk in chunks:
+            full_view = (0,) if rng.random() < 0.1 else ()
+            if not rig.extend(req, int(chunk), full_view_layers=full_view, pad_rows=int(rng.integers(0, 2 * rig.n))):
+                ok = False
+                break
+        if ok:
+            live.append(req)
+        else:  # out of memory: give everything back and go on
+            rig.release(req, users(req))
+            while live:
+                victim = live.pop()
+                rig.release(victim, users(victim))
+    rig.stats["mixes"] = mixes
+
+
+SCENARIOS: Dict[str, Callable[[Rig], None]] = {
+    f.__name__: f for f in (single_chunk, chunked_prefill, radix_prefix_hit, prefix_mid_page,
+                            fewer_pages_than_ranks, full_view_fallback, corrupted_shard_is_detected, soak)
+}

@@ -1,0 +1,72 @@
+"""How a shared-KV prefill tells decode why a request failed (pure: no SGLang).
+
+SGLang's status message to decode has exactly three frames and decode's failure text is
+fixed, so the cause travels as one extra message on the same ZMQ socket, sent just before
+the Failed status: an ``AUX_DATA`` message whose length field (``0xFFFFFFFF``) can never
+match its payload. A decode with this plugin keeps the text for the room; a decode
+without it logs SGLang's "AUX_DATA length mismatch" and drops the message without
+touching a buffer.
+
+Frames: ``[AUX_DATA header, room (ascii), b"0", b"0", 0xFFFFFFFF, prefix + UTF-8 text]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import List, Optional, Sequence, Tuple
+
+CAUSE_LENGTH_FIELD = b"\xff\xff\xff\xff"
+CAUSE_PREFIX = b"sglang-cp-shared-kv failure cause:"
+MAX_CAUSE_BYTES = 4000
+MAX_TRACKED_ROOMS = 4096
+
+
+def encode_failure_cause(aux_data_header: bytes, room: int, text: str) -> List[bytes]:
+    """The frames of the cause message for ``room`` (text cut to ``MAX_CAUSE_BYTES``)."""
+    payload = CAUSE_PREFIX + text.encode("utf-8", "replace")[:MAX_CAUSE_BYTES]
+    return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD, payload]
+
+
+def parse_failure_cause(msg: Sequence[bytes]) -> Optional[Tuple[int, str]]:
+    """``(room, text)`` of a cause message; None for any other ``AUX_DATA`` message."""
+    if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(CAUSE_PREFIX):
+        return None
+    try:
+        room = int(msg[1].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return room, msg[5][len(CAUSE_PREFIX):].decode("utf-8", "replace")
+
+
+class BoundedRooms:
+    """room -> text, forgetting the oldest beyond a bound (rooms are random 64-bit ids)."""
+
+    def __init__(self, bound: int = MAX_TRACKED_ROOMS):
+        self._bound = bound
+        self._items: "collections.OrderedDict[int, str]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, room: int, text: str, *, append: bool = False) -> None:
+        with self._lock:
+            previous = self._items.get(room) if append else None
+            self._items[room] = text if previous is None else f"{previous} | {text}"
+            self._items.move_to_end(room)
+            while len(self._items) > self._bound:
+                self._items.popitem(last=False)
+
+    def get(self, room: int) -> Optional[str]:
+        with self._lock:
+            return self._items.get(room)
+
+    def pop(self, room: int) -> Optional[str]:
+        with self._lock:
+            return self._items.pop(room, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+__all__ = ["CAUSE_LENGTH_FIELD", "CAUSE_PREFIX", "MAX_CAUSE_BYTES", "MAX_TRACKED_ROOMS",
+           "encode_failure_cause", "parse_failure_cause", "BoundedRooms"]

@@ -1,0 +1,106 @@
+"""The PD transfer hooks (``plugin.HOOKS``, block "PD transfer of each rank's shard").
+
+Each one is thin: it finds the manager's shard-transfer state
+(:func:`.prefill.prefill_transfer`, None unless the flag is on and the manager is a
+prefill one) and passes straight through to SGLang without it; with it, the work is
+:class:`.prefill.PrefillShardTransfer`'s. The decode hooks act only on the cause message
+(:mod:`.decode`).
+"""
+
+from __future__ import annotations
+
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv.transfer.decode import keep_failure_cause, with_cause
+from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
+from sglang_cp_shared_kv.transfer.prefill import prefill_transfer
+
+
+# ------------------------------------------------------------ prefill hooks
+def prepare_prefill_transfer(result, kv_mgr, *args, **kwargs):
+    """AFTER ``MooncakeKVManager.__init__``: validate and announce at startup, not at the
+    first request."""
+    prefill_transfer(kv_mgr)
+    return result
+
+
+def check_transfer_matches_pool(kv_mgr, queue, *args, **kwargs):
+    """AFTER ``PrefillBootstrapQueue._init_kv_manager``: the manager it returns must see the
+    pool this rank built (the queue holds that pool)."""
+    context = prefill_transfer(kv_mgr)
+    if context is not None:
+        pool = queue.token_to_kv_pool
+        if not isinstance(pool, CpSharedNSATokenToKVPool):
+            raise CpSharedKVTransferError(
+                f"{FLAG}: the prefill bootstrap queue registers a {type(pool).__name__}, not the shared-KV pool")
+        context.check_pool(pool)
+    return kv_mgr
+
+
+def filter_owned_pages(original, kv_mgr, kv_indices, index_slice):
+    """AROUND ``disaggregation.utils.filter_kv_indices_for_cp_rank`` (imported by name by
+    every backend; the hook registry rebinds those names too)."""
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(kv_mgr, kv_indices, index_slice)
+    return context.owned_pages(kv_indices, index_slice)
+
+
+def _delegate_to_shard_transfer(method: str, doc: str):
+    """An AROUND hook on a ``MooncakeKVManager`` method: stock unless this manager moves a
+    shared-KV shard, else ``PrefillShardTransfer.<method>(original, kv_mgr, ...)``."""
+    def hook(original, kv_mgr, *args, **kwargs):
+        context = prefill_transfer(kv_mgr)
+        if context is None:
+            return original(kv_mgr, *args, **kwargs)
+        return getattr(context, method)(original, kv_mgr, *args, **kwargs)
+
+    hook.__doc__ = doc
+    return hook
+
+
+enqueue_owned_chunk = _delegate_to_shard_transfer(
+    "enqueue", "AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing.")
+write_in_bounded_batches = _delegate_to_shard_transfer(
+    "write", "AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write).")
+send_owned_state_pages = _delegate_to_shard_transfer(
+    "send_state", "AROUND ``MooncakeKVManager.maybe_send_extra``.")
+send_aux_unless_failed = _delegate_to_shard_transfer(
+    "send_aux", "AROUND ``MooncakeKVManager.send_aux``.")
+
+
+def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, status, prefill_rank):
+    """AROUND ``MooncakeKVManager.sync_status_to_decode_endpoint``: ahead of a Failed
+    status, tell decode why (same socket, so decode reads the cause first)."""
+    context = prefill_transfer(kv_mgr)
+    if context is not None and status == sg.KVPoll.Failed:
+        context.report_failure(kv_mgr, remote, dst_port, room)
+    return original(kv_mgr, remote, dst_port, room, status, prefill_rank)
+
+
+# ------------------------------------------------------------- decode hooks
+def accept_failure_cause(original, kv_mgr, msg, *args, **kwargs):
+    """AROUND ``MooncakeKVManager._handle_aux_data`` (decode): keep a shared-KV prefill's
+    failure cause for the room; every other message is SGLang's."""
+    if keep_failure_cause(kv_mgr, msg):
+        return None
+    return original(kv_mgr, msg, *args, **kwargs)
+
+
+def failure_exception_with_cause(original, receiver, *args, **kwargs):
+    """AROUND ``MooncakeKVReceiver.failure_exception`` (decode): name the prefill's cause."""
+    try:
+        return original(receiver, *args, **kwargs)
+    except sg.KVTransferError as exc:
+        replacement = with_cause(receiver.kv_mgr, exc)
+        if replacement is None:
+            raise
+        raise replacement from exc
+
+
+__all__ = [
+    "prepare_prefill_transfer", "check_transfer_matches_pool", "filter_owned_pages", "enqueue_owned_chunk",
+    "write_in_bounded_batches", "send_owned_state_pages", "send_aux_unless_failed",
+    "report_failure_cause_to_decode", "accept_failure_cause", "failure_exception_with_cause",
+]

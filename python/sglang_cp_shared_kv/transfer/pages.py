@@ -1,0 +1,219 @@
+"""Page, run and descriptor arithmetic of the shard transfer (pure: numpy, the layout, config).
+
+Everything here is a function of page lists and settings: which pages of a chunk this
+rank sends and to which request positions, why a chunk cannot be sent, which NSA index
+pages it owns and where they go on decode, how many Mooncake descriptors a page list
+costs, how a write is cut into bounded batches and how large those may be. Nothing here
+imports SGLang or torch, so it runs (and is unit-tested) where neither is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from sglang_cp_shared_kv.config import DEFAULT_TRANSFER_BATCH_DESCRIPTORS as DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+from sglang_cp_shared_kv.config import TRANSFER_BATCH_DESCRIPTORS_ENV as MAX_DESCRIPTORS_ENV
+from sglang_cp_shared_kv.cp_shared_kv_layout import DUMMY_PAGE, CpSharedKVLayout
+
+#: Mooncake's TCP transport admits this many queued entries per peer (default 2,048).
+TCP_LANE_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+
+
+class CpSharedKVTransferError(RuntimeError):
+    """The shared-KV PD transfer cannot run with this configuration."""
+
+
+# ------------------------------------------------------------------ KV chunks
+class ChunkPositions(np.ndarray):
+    """The request positions (int64) of the pages of one chunk this rank sends, and what
+    the filter saw of the chunk: ``chunk_pages`` (all its pages, owned or not) and
+    ``problem`` (why it cannot be sent; None when it can).
+
+    The filter returns it as SGLang's ``index_slice``; ``MooncakeKVSender.send`` hands it
+    unchanged to ``add_transfer_request`` (where the enqueue hook reads ``chunk_pages`` and
+    ``problem``), which stores it in ``TransferKVChunk.index_slice``; the transfer worker's
+    ``req.dst_kv_indices[index_slice]`` is then numpy fancy indexing, whose result is a
+    plain array of the indexed array's type.
+    """
+
+    chunk_pages: int
+    problem: Optional[str]
+
+    @classmethod
+    def of(cls, positions, chunk_pages: int, problem: Optional[str] = None) -> "ChunkPositions":
+        out = np.asarray(positions, dtype=np.int64).view(cls)
+        out.chunk_pages, out.problem = int(chunk_pages), problem
+        return out
+
+    def __array_finalize__(self, obj) -> None:
+        self.chunk_pages = getattr(obj, "chunk_pages", 0)
+        self.problem = getattr(obj, "problem", None)
+
+
+def filter_chunk(layout: CpSharedKVLayout, logical_pages, index_slice: slice) -> Tuple[np.ndarray, ChunkPositions]:
+    """This rank's physical pages (int32) of a chunk of ``logical_pages`` at request
+    positions ``index_slice``, and their positions (empty, with the ``problem``, when the
+    chunk cannot be sent)."""
+    logical = np.asarray(logical_pages, dtype=np.int64)
+    positions = np.arange(index_slice.start, index_slice.stop, dtype=np.int64)
+    problem = None
+    if positions.size != logical.size:
+        problem = (f"the chunk has {logical.size} pages but its position range "
+                   f"[{index_slice.start}, {index_slice.stop}) covers {positions.size}")
+    elif logical.size and int(logical.min()) <= DUMMY_PAGE:
+        problem = (f"the chunk's page table holds page {int(logical.min())} (the dummy "
+                   "page or below); no CP rank owns it, so decode would miss that page")
+    if problem:
+        return np.empty(0, dtype=np.int32), ChunkPositions.of(np.empty(0), logical.size, problem)
+    physical, owned = layout.filter_owned_pages_np(logical, positions)
+    return physical.astype(np.int32), ChunkPositions.of(owned, logical.size)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """One decode target of a room, as the checks before enqueueing see it."""
+
+    name: str  #: ``host:port``
+    pages: int  #: pages decode preallocated after its prefix (``len(dst_kv_indices)``)
+    hisparse: bool = False
+
+
+def chunk_problem(physical_pages, positions, kv_buffer_pages: int,
+                  destinations: Iterable[Destination]) -> Optional[str]:
+    """Why this rank must not enqueue a chunk (``physical_pages`` at ``positions``, as
+    :func:`filter_chunk` returned them) for ``destinations``; None when it may."""
+    if not isinstance(positions, np.ndarray):
+        return (f"the chunk arrived with a page range ({positions!r}) instead of page positions: the "
+                f"shared-KV page filter did not run (is SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1?)")
+    if getattr(positions, "problem", None):
+        return positions.problem
+    physical_pages = np.asarray(physical_pages)
+    if physical_pages.shape != positions.shape:
+        return f"{physical_pages.size} pages but {positions.size} positions"
+    if physical_pages.size:
+        low, high = int(physical_pages.min()), int(physical_pages.max())
+        if low < 1 or high >= kv_buffer_pages:
+            return (f"physical KV page {low if low < 1 else high} is outside this rank's registered "
+                    f"pages [1, {kv_buffer_pages})")
+        if int(positions.min()) < 0:
+            return f"negative page position {int(positions.min())}"
+    for dst in destinations:
+        if dst.hisparse:
+            return (f"decode {dst.name} runs HiSparse, whose page-range "
+                    "transfer cannot take page positions; not supported with shared KV")
+        if positions.size and int(positions.max()) >= dst.pages:
+            return (f"page position {int(positions.max())} is outside the {dst.pages} "
+                    f"pages decode {dst.name} preallocated (positions count from "
+                    "the decode prefix)")
+    return None
+
+
+def kv_descriptors(physical_pages, positions, dst_kv_indices, layers: int) -> int:
+    """Mooncake descriptors of one chunk write: contiguous runs x layers."""
+    dst = np.asarray(dst_kv_indices)[np.asarray(positions)]
+    return contiguous_runs(np.asarray(physical_pages, dtype=np.int64), dst.astype(np.int64)) * layers
+
+
+# ------------------------------------------------------------- NSA index state
+@dataclass(frozen=True, eq=False)
+class OwnedStatePages:
+    """The NSA index pages of one request that this rank owns.
+
+    ``physical_pages[i]`` of this rank's index buffers holds the request's sequence page
+    ``positions[i]`` (0-based from token 0); ``sequence_pages`` counts them all. It
+    replaces the logical page list in SGLang's NSA state payload; ``len()`` is what this
+    rank sends (SGLang's transfer metric counts it).
+    """
+
+    physical_pages: np.ndarray
+    positions: np.ndarray
+    sequence_pages: int
+
+    def __len__(self) -> int:
+        return int(self.physical_pages.size)
+
+
+def own_state_pages(layout: CpSharedKVLayout, logical_pages,
+                    pages_per_layer: int) -> Tuple[Optional[OwnedStatePages], Optional[str]]:
+    """The index pages this rank owns of a request's NSA page list (over the whole
+    sequence), or why it cannot send them: ``(entry, None)`` or ``(None, problem)``."""
+    logical = np.asarray(logical_pages, dtype=np.int64).reshape(-1)
+    if logical.size and int(logical.min()) <= DUMMY_PAGE:
+        return None, (f"the request's NSA index page list holds page {int(logical.min())} (the dummy "
+                      "page or below); no CP rank owns it, so decode would miss it")
+    physical, positions = layout.filter_owned_pages_np(logical, np.arange(logical.size))
+    if physical.size and int(physical.max()) >= pages_per_layer:
+        return None, (f"physical index page {int(physical.max())} is outside this rank's registered "
+                      f"index pages [1, {pages_per_layer})")
+    return OwnedStatePages(physical.astype(np.int32), positions, int(logical.size)), None
+
+
+def state_pages_to_send(entry: OwnedStatePages, dst_pages) -> Tuple[np.ndarray, np.ndarray, int]:
+    """Source and destination index pages (int32) of ``entry`` against decode's list of
+    the sequence's pages, and that list's length. Owned positions beyond decode's list
+    are not sent (fewer than ``len(entry)`` pages come back), as SGLang truncates a longer
+    prefill list to decode's."""
+    dst_all = np.asarray(dst_pages if dst_pages is not None else [], dtype=np.int64).reshape(-1)
+    keep = entry.positions < dst_all.size
+    src = entry.physical_pages[keep]
+    dst = dst_all[entry.positions[keep]].astype(np.int32)
+    return src, dst, int(dst_all.size)
+
+
+# ---------------------------------------------------------- runs and batches
+def contiguous_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> int:
+    """Runs contiguous on both sides: Mooncake descriptors per layer for this page list."""
+    if src_pages.size == 0:
+        return 0
+    breaks = (np.diff(src_pages) != 1) | (np.diff(dst_pages) != 1)
+    return 1 + int(np.count_nonzero(breaks))
+
+
+def bounded_batches(blocks: Sequence, limit: int) -> List[list]:
+    """``blocks`` (Mooncake ``(src, dst, length)`` descriptors) in order, in batches of at
+    most ``limit``; one (possibly empty) batch when they fit."""
+    blocks = blocks if isinstance(blocks, list) else list(blocks)
+    if len(blocks) <= limit:
+        return [blocks]
+    return [blocks[i:i + limit] for i in range(0, len(blocks), limit)]
+
+
+def rejected_batch_cause(ret: int, number: int, batches: int, batch: Sequence, peer: str, limit: int) -> str:
+    """The cause text of batch ``number`` of ``batches`` that Mooncake refused with ``ret``."""
+    nbytes = sum(length for _, _, length in batch)
+    return (f"Mooncake batch_transfer_sync_write returned {ret} for batch {number} of "
+            f"{batches} ({len(batch)} descriptors, {nbytes} bytes) to {peer}; "
+            "on Mooncake's TCP transport a rejected batch means the per-peer lane queue "
+            f"({TCP_LANE_QUEUE_ENV}, default 2048) was full: keep {MAX_DESCRIPTORS_ENV} "
+            f"(now {limit}) below it")
+
+
+def resolve_max_descriptors_per_batch(environ: Mapping[str, str] = os.environ) -> int:
+    """Descriptors per Mooncake batch: the explicit setting, else the default capped by
+    the TCP lane's queue size when that is configured lower."""
+    explicit = environ.get(MAX_DESCRIPTORS_ENV, "").strip()
+    if explicit:
+        try:
+            value = int(explicit)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise CpSharedKVTransferError(f"{MAX_DESCRIPTORS_ENV}={explicit!r} must be a positive integer")
+        return value
+    limit = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+    lane = environ.get(TCP_LANE_QUEUE_ENV, "").strip()
+    if lane.isdigit() and int(lane) > 0:
+        limit = min(limit, int(lane))
+    return limit
+
+
+__all__ = [
+    "TCP_LANE_QUEUE_ENV", "MAX_DESCRIPTORS_ENV", "DEFAULT_MAX_DESCRIPTORS_PER_BATCH", "CpSharedKVTransferError",
+    "ChunkPositions", "filter_chunk", "Destination", "chunk_problem", "kv_descriptors",
+    "OwnedStatePages", "own_state_pages", "state_pages_to_send",
+    "contiguous_runs", "bounded_batches", "rejected_batch_cause", "resolve_max_descriptors_per_batch",
+]
