@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PD transfer of one long request, replicated (one sender) vs CP shards (N senders).
+"""PD transfer of one long request, replicated (one sender) vs CP shards (N senders), with
+interleaved pages and with compute-owner pages, side by side.
 
 Runs SGLang's real Mooncake PD classes over loopback (the rig of the CPU tests,
 ``sglang_cp_shared_kv.testing.pd_rig``): for each CP size N, N prefill rank processes and
@@ -7,7 +8,10 @@ one decode process; N = 1 is a replicated prefill without CP and the flag off (o
 SGLang's stock path), N > 1 runs ``--enable-nsa-prefill-cp-shared-kv`` pools where each
 rank holds and sends only the pages it owns. The request is shaped by a shipped model
 config (default GLM-5, fp8 KV, 32K tokens, sent in 8K-token chunks). Decode checks every
-byte it received.
+byte it received. ``--pages`` picks the request's logical pages: ``interleaved`` (pages
+1, 2, 3, ...: rank r owns every N-th) or ``compute-owner`` (the pages the plugin's
+allocator hands the request chunk by chunk: each rank's pages of a chunk in two runs),
+default both.
 
 Prints JSON: per rank pages, bytes, Mooncake descriptors and batches (N > 1 from the
 plugin's counters; N = 1 computed the way SGLang groups pages), wall time of the request
@@ -37,6 +41,7 @@ import numpy as np
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.testing import pd_rig as rig
+from sglang_cp_shared_kv.testing.allocation import request_pages
 from sglang_cp_shared_kv.transfer.pages import contiguous_runs, resolve_max_descriptors_per_batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,6 +59,8 @@ def parse_args(argv=None):
     parser.add_argument("--layers", type=int, default=None, help="scale the layer count down (default: the model's)")
     parser.add_argument("--cp-sizes", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=3, help="timed requests per CP size (after one warm-up)")
+    parser.add_argument("--pages", default="interleaved,compute-owner",
+                        help="comma-separated page layouts for N > 1: interleaved, compute-owner")
     parser.add_argument("--dst-order", default="contiguous", choices=["contiguous", "scattered"],
                         help="decode's preallocated pages: one run, or scattered as after cache churn")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
@@ -66,14 +73,29 @@ def config_path(name: str) -> Path:
     return shipped if shipped.exists() else Path(name)
 
 
-def plan_for(n: int, geometry, pages: int, args) -> dict:
+def chunk_ends(args) -> list:
+    return list(range(args.chunk_tokens, args.tokens, args.chunk_tokens)) + [args.tokens]
+
+
+def request_layout(n: int, pages: int, layout: str, args):
+    """(logical pages of the request, physical pages per rank) for one page layout."""
+    if n == 1 or layout == "interleaved":
+        return list(range(1, pages + 1)), math.ceil(pages / n)
+    ends = chunk_ends(args)
+    physical = math.ceil(pages / n) + len(ends)  # per chunk a rank may take one page above an even share
+    logical, _ = request_pages(n, physical, ends)
+    return logical, physical
+
+
+def plan_for(n: int, geometry, logical_pages: list, physical_pages: int, args) -> dict:
     procs = [f"P{i}" for i in range(n)]
     shared = n > 1
     instance = dict(cp_size=n, shared=shared, bootstrap_port=rig.free_port(), procs=procs,
-                    physical_pages=math.ceil(pages / n) if shared else pages)
-    ends = list(range(args.chunk_tokens, args.tokens, args.chunk_tokens)) + [args.tokens]
+                    physical_pages=physical_pages)
+    ends = chunk_ends(args)
+    pages = len(logical_pages)
     rooms = [dict(room=50_000 + i, name=f"N{n}/{'warm-up' if i == 0 else i}", instance="X", seq_len=args.tokens,
-                  logical_pages=list(range(1, pages + 1)), chunk_ends=ends, decode_prefix_pages=0,
+                  logical_pages=logical_pages, chunk_ends=ends, decode_prefix_pages=0,
                   dst_order=args.dst_order, seed=11, first_token=7, aux_slot=i % 8)
              for i in range(args.repeats + 1)]
     processes = {p: {"role": "prefill", "log_level": "WARNING"} for p in procs}
@@ -90,7 +112,7 @@ def replicated_descriptors(pages: int, ends, layers: int, dst_pages: np.ndarray)
     return kv, contiguous_runs(src, dst_pages) * layers
 
 
-def summarize(n: int, run: dict, plan: dict, geometry, pages: int, args) -> dict:
+def summarize(n: int, layout: str, run: dict, plan: dict, geometry, pages: int, args) -> dict:
     rooms = [r for r in plan["rooms"] if not r["name"].endswith("warm-up")]
     procs = plan["instances"]["X"]["procs"]
     decode = run["results"]["D"]["rooms"] if run["results"].get("D") else {}
@@ -121,17 +143,19 @@ def summarize(n: int, run: dict, plan: dict, geometry, pages: int, args) -> dict
         entry["bytes"] = entry["kv_pages"] * kv_bytes + entry["state_pages"] * index_bytes
         entry["send_s_median"] = statistics.median(rank_walls) if rank_walls else None
         ranks.append(entry)
-    owned = [CpSharedKVLayout(PAGE, n, r).owned_pages_mask_np(np.arange(1, pages + 1)).sum() if n > 1 else pages
-             for r in range(n)]
+    logical = np.asarray(plan["rooms"][-1]["logical_pages"])
+    owned = [CpSharedKVLayout(PAGE, n, r).owned_pages_mask_np(logical).sum() if n > 1 else pages for r in range(n)]
     total_bytes = sum(r["bytes"] for r in ranks)
     wall = statistics.median(walls) if walls else None
     return dict(
         cp_size=n, mode="shared KV shards" if n > 1 else "replicated, one sender (flag off)",
+        pages=layout if n > 1 else "1..P (one sender)",
         verified_byte_for_byte=verified, wall_s_median=wall, wall_s_all=walls,
         total_bytes=total_bytes, effective_gb_per_s=(total_bytes / wall / 1e9) if wall else None,
         pages_per_rank=[r["kv_pages"] for r in ranks], ceil_pages_over_n=math.ceil(pages / n),
-        each_rank_within_one_of_ceil=all(abs(r["kv_pages"] - math.ceil(pages / n)) <= 1 for r in ranks)
-        and [r["kv_pages"] for r in ranks] == [int(o) for o in owned],
+        sends_exactly_its_pages=[r["kv_pages"] for r in ranks] == [int(o) for o in owned],
+        max_kv_descriptors_per_layer_per_chunk=max(
+            (r.get("max_descriptors_per_chunk") or 0) for r in ranks) / geometry.layers if n > 1 else None,
         ranks=ranks, process_wall_s=run["wall_s"],
         errors={p: (r or {}).get("error") for p, r in run["results"].items() if not r or r.get("error")},
     )
@@ -160,10 +184,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         base = args.workdir or Path(tmp)
         for n in [int(x) for x in args.cp_sizes.split(",")]:
-            plan = plan_for(n, geometry, pages, args)
-            run = rig.run_plan(plan, base / f"n{n}", deadline_s=900)
-            out["runs"].append(summarize(n, run, plan, geometry, pages, args))
-            print(f"N={n}: wall {out['runs'][-1]['wall_s_median']}", file=sys.stderr, flush=True)
+            for layout in (["interleaved"] if n == 1 else args.pages.split(",")):
+                logical, physical = request_layout(n, pages, layout, args)
+                plan = plan_for(n, geometry, logical, physical, args)
+                run = rig.run_plan(plan, base / f"n{n}-{layout}", deadline_s=900)
+                out["runs"].append(summarize(n, layout, run, plan, geometry, pages, args))
+                print(f"N={n} {layout}: wall {out['runs'][-1]['wall_s_median']}", file=sys.stderr, flush=True)
     text = json.dumps(out, indent=2, default=int)
     print(text)
     if args.out:

@@ -1,11 +1,17 @@
-"""``python -m sglang_cp_shared_kv plan ...``: the capacity planner.
+"""``python -m sglang_cp_shared_kv selfcheck|plan ...``.
 
-Exit status 0 on success, 2 on bad input (one ``error:`` line on stderr).
+* ``selfcheck``: the whole shared-KV path on this machine (N prefill CP ranks, the real
+  Mooncake engine on loopback, a decode), compared byte for byte with a replicated run;
+  exit status 0 when every check passes, 1 when one fails.
+* ``plan``: the capacity planner.
+
+Exit status 2 on bad input (one ``error:`` line on stderr naming the argument).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -13,6 +19,7 @@ from typing import List, Optional
 
 from sglang_cp_shared_kv.kv_geometry import BUNDLED_MODELS, KV_CACHE_DTYPES, ModelConfigError, NsaModelShape
 from sglang_cp_shared_kv.planner import format_plan, plan_capacity
+from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions as SelfcheckDefaults
 
 PROG = "python -m sglang_cp_shared_kv"
 
@@ -42,9 +49,35 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrorParser(prog=PROG, description="CP shared KV tools for SGLang NSA prefill.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineErrorParser)
+    check = commands.add_parser(
+        "selfcheck",
+        help="run the whole shared-KV path here (CP ranks, Mooncake loopback, decode) and compare it "
+             "byte for byte with a replicated run",
+        description="Run a prefill CP group of N processes through the plugin's real code on one chunked "
+                    "request with a radix-cache prefix, send every rank's shard over the real Mooncake "
+                    "engine on 127.0.0.1 to a decode pool, and compare kernel inputs, attention outputs "
+                    "and decode's bytes with a replicated (flag-off) run. Exit 0: PASS, 1: FAIL.")
+    defaults = SelfcheckDefaults
+    check.add_argument("--cp-size", type=_int, default=defaults.cp_size, help="CP ranks N (2-8)")
+    check.add_argument("--chunks", type=_int, default=defaults.chunks, help="prefill chunks after the prefix")
+    check.add_argument("--context-len", type=_int, default=defaults.context_len, help="request tokens")
+    check.add_argument("--prefix-len", type=_int, default=defaults.prefix_len,
+                       help="tokens the request shares with a cached one (a multiple of 64)")
+    check.add_argument("--kv-cache-dtype", default=defaults.kv_cache_dtype, help=" | ".join(KV_CACHE_DTYPES))
+    check.add_argument("--device", default=defaults.device, help="cpu | cuda (ranks share the GPUs present)")
+    check.add_argument("--inject", default=None,
+                       help="skip-write | corrupt-shard | drop-batch: break one thing on rank 1 to see a check fail")
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
     plan = commands.add_parser(
         "plan",
         help="per-rank physical and group logical KV capacity under --enable-nsa-prefill-cp-shared-kv",
@@ -65,9 +98,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def selfcheck(args, parser) -> int:
+    from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
+
+    try:
+        options = SelfcheckOptions(cp_size=args.cp_size, chunks=args.chunks, context_len=args.context_len,
+                                   prefix_len=args.prefix_len, kv_cache_dtype=args.kv_cache_dtype,
+                                   device=args.device, inject=args.inject)
+    except SelfcheckArgumentError as exc:
+        parser.exit(2, f"{PROG} selfcheck: error: {exc}\n")
+    if importlib.util.find_spec("mooncake") is None:
+        parser.exit(2, f"{PROG} selfcheck: error: the Mooncake transfer engine is not installed; on a CPU machine "
+                       "run scripts/bootstrap.sh test (mooncake-transfer-engine-non-cuda, needs libibverbs1), with "
+                       "CUDA 13 pip install mooncake-transfer-engine-cuda13\n")
+    # NOTE: imported here, not at the top: the planner must start without torch or SGLang.
+    from sglang_cp_shared_kv.selfcheck.report import format_report
+    from sglang_cp_shared_kv.selfcheck.run import run_selfcheck
+
+    report = run_selfcheck(options, quiet=args.json)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["verdict"] == "PASS" else 1
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "selfcheck":
+        return selfcheck(args, parser)
     try:
         shape = NsaModelShape.load(args.model_config)
         context_len = args.context_len or shape.max_context_len or None

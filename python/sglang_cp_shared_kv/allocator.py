@@ -1,25 +1,83 @@
-"""The logical page allocator of a CP shared-KV group.
+"""The logical page allocator of a CP shared-KV group, handing each page to the rank that
+computes it.
 
 Every CP rank runs the same scheduler decisions on the same requests, so a stock
-``PagedTokenToKVPoolAllocator`` over the *logical* capacity already hands out
-identical logical pages on every rank. This subclass pins down what the rest of the
-plugin relies on:
+``PagedTokenToKVPoolAllocator`` over the *logical* capacity already hands out identical
+logical pages on every rank; the layout then makes page ``p`` rank ``(p - 1) mod N``'s
+(interleaved). This subclass adds:
 
-* invariant: ``size == pool.physical_size * cp_size`` (stated once, checked at
-  construction);
-* the layout (``cp_layout``) and the physical figures are reachable from the allocator;
+* **compute-owner allocation** (phase 5): for a one-request extend whose chunk touches at
+  least 2N pages, :mod:`~sglang_cp_shared_kv.page_split` names the rank that computes each
+  new page; the allocator moves to the front of ``free_pages`` one free page of that
+  rank's *lane* (the logical pages ``p`` with ``(p - 1) mod N = r``) per new page, in
+  sequence order, each rank's pages consecutive in its pool where its lane has such a run.
+  SGLang's own ``alloc_extend`` then takes them in that order. A rank's pages of a chunk
+  thus form one run per zigzag segment, on its side and on decode's: a PD transfer sends a
+  few contiguous runs instead of one descriptor per page per layer;
+* a **deterministic fallback**: when a lane has fewer free pages than the chunk needs of
+  it while the pool as a whole has room, the chunk takes interleaved pages (the free list
+  untouched) -- never out-of-memory while the logical pool has room. Every decision reads
+  only the free list and the request's lengths, which are the same on every rank;
+* invariant: ``size == pool.physical_size * cp_size`` (checked at construction);
 * with ``SGLANG_DEBUG_CP_SHARED_KV=1``, every allocation is checked to stay inside the
-  logical range and off the dummy page 0 (this syncs the device).
+  logical range and off the dummy page 0, and compute-owner pages to be owned by their
+  computing rank (this syncs the device).
 
-Phase 5 (compute-owner allocation) will reorder ``free_pages`` by owner lane inside
-``alloc_extend`` here; the constructor signature stays SGLang's because ``_init_pools``
-calls it.
+The constructor signature stays SGLang's because ``_init_pools`` calls it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import debug_enabled
+from sglang_cp_shared_kv.config import FLAG, debug_enabled
+from sglang_cp_shared_kv.page_split import page_aligned_split
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AllocationStats:
+    """What the allocator decided, cumulative (one per allocator, so per process)."""
+
+    compute_owner_chunks: int = 0  #: chunks whose new pages went to their computing ranks
+    short_chunks: int = 0  #: chunks touching fewer than 2N pages: interleaved
+    lane_fallbacks: int = 0  #: chunks whose lanes ran dry: interleaved
+
+
+def _first_run(lane: torch.Tensor, count: int, cp_size: int) -> int:
+    """Index of the first ``count`` pages of ``lane`` (sorted logical pages of one rank)
+    that are consecutive in that rank's pool (logical pages ``cp_size`` apart); 0 when no
+    such run exists."""
+    if count <= 1 or lane.numel() == count:
+        return 0
+    span = lane[count - 1:] - lane[: lane.numel() - count + 1]
+    consecutive = span == (count - 1) * cp_size
+    return int(consecutive.to(torch.int8).argmax()) if bool(consecutive.any()) else 0
+
+
+def compute_owner_order(free_pages: torch.Tensor, ranks: Sequence[int], cp_size: int) -> Optional[torch.Tensor]:
+    """``free_pages`` reordered so that its first ``len(ranks)`` pages are owned by
+    ``ranks`` (in order); None when some rank's lane has too few free pages."""
+    if not ranks:
+        return free_pages
+    lanes = (free_pages - 1) % cp_size
+    take = torch.empty(len(ranks), dtype=free_pages.dtype, device=free_pages.device)
+    for rank, count in sorted(Counter(ranks).items()):
+        lane = torch.sort(free_pages[lanes == rank]).values
+        if lane.numel() < count:
+            return None
+        start = _first_run(lane, count, cp_size)
+        slots = torch.tensor([i for i, r in enumerate(ranks) if r == rank], device=free_pages.device)
+        take[slots] = lane[start: start + count]
+    rest = free_pages[~torch.isin(free_pages, take)]
+    return torch.cat([take, rest])
 
 
 class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
@@ -37,6 +95,7 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             )
         self.cp_layout = layout
         self.physical_size = kvcache.physical_size
+        self.stats = AllocationStats()
         self._check_allocations = debug_enabled()
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
@@ -53,8 +112,48 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
     def alloc(self, need_size: int):
         return self._checked(super().alloc(need_size))
 
-    def alloc_extend(self, *args, **kwargs):
-        return self._checked(super().alloc_extend(*args, **kwargs))
+    def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
+                     num_new_pages=None):
+        ranks = self._compute_owner_ranks(prefix_lens_cpu, seq_lens_cpu)
+        out = self._checked(super().alloc_extend(prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                                                 extend_num_tokens, num_new_pages))
+        if ranks and self._check_allocations and out is not None:
+            self._check_compute_owners(out, int(prefix_lens_cpu[0]), ranks)
+        return out
 
     def alloc_decode(self, *args, **kwargs):
         return self._checked(super().alloc_decode(*args, **kwargs))
+
+    # ------------------------------------------------------------ compute owner
+    def _compute_owner_ranks(self, prefix_lens_cpu, seq_lens_cpu) -> Optional[Sequence[int]]:
+        """Put one page of each new page's computing rank at the front of ``free_pages``
+        (in order) and return those ranks; None when the chunk takes interleaved pages."""
+        if len(prefix_lens_cpu) != 1:
+            return None  # in-seq-split CP prefill runs one request per batch
+        layout = self.cp_layout
+        split = page_aligned_split(int(prefix_lens_cpu[0]), int(seq_lens_cpu[0]), self.page_size, layout.cp_size)
+        if split is None:
+            self.stats.short_chunks += 1
+            return None
+        ranks = split.new_page_ranks()
+        if self.need_sort and len(self.release_pages):
+            self.merge_and_sort_free()  # every free page is a candidate for its lane
+        order = compute_owner_order(self.free_pages, ranks, layout.cp_size)
+        if order is None:
+            self.stats.lane_fallbacks += 1
+            log = logger.warning if self.stats.lane_fallbacks == 1 else logger.debug
+            log("CP shared KV: an owner lane has too few free pages for a %d-page chunk (%d free in all); "
+                "this chunk takes interleaved pages (lane fallbacks so far: %d)",
+                len(ranks), self.free_pages.numel(), self.stats.lane_fallbacks)
+            return None
+        self.free_pages = order
+        self.stats.compute_owner_chunks += 1
+        return ranks
+
+    def _check_compute_owners(self, out_locs, prefix_len: int, ranks: Sequence[int]) -> None:
+        first_new = -(-prefix_len // self.page_size) * self.page_size - prefix_len  # rows on the shared page
+        pages = out_locs[first_new:: self.page_size] // self.page_size
+        owners = self.cp_layout.owner_for_logical_pages(pages).tolist()
+        if owners != list(ranks):
+            raise AssertionError(f"{FLAG}: compute-owner pages {pages.tolist()} have owners {owners}, "
+                                 f"their computing ranks are {list(ranks)}")

@@ -18,6 +18,7 @@ DTYPES = ("bf16", "fp8_e4m3")
 def group(request):
     jobs = [(name, dtype, debug) for dtype in DTYPES for debug in ("on", "off") for name in SCENARIOS]
     jobs += [("corrupted_shard_is_detected", dtype, "off") for dtype in DTYPES]
+    jobs += [("lane_exhaustion", dtype, "on") for dtype in DTYPES]
     jobs += [("soak", dtype, "alternate") for dtype in DTYPES]
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
@@ -43,6 +44,17 @@ def test_soak_bit_exact(group):
     outcomes = _assert_clean(results, "soak")
     for stats in (v["stats"] for v in outcomes.values()):
         assert stats["mixes"] >= 200 and stats["forwards"] >= 200
+        # the mixes exercise both allocation paths: compute-owner chunks and short (interleaved) ones
+        assert stats["allocation"]["compute_owner_chunks"] > 0 and stats["allocation"]["short_chunks"] > 0
+
+
+def test_lane_exhaustion_falls_back_alike_on_every_rank(group):
+    """Free pages skewed to one owner lane: the chunk takes interleaved pages on every rank
+    (the harness fails a scenario whose ranks' allocator decisions differ), stays bit-exact,
+    and the next chunk is compute-owner again."""
+    n, results = group
+    for stats in (v["stats"] for v in _assert_clean(results, "lane_exhaustion").values()):
+        assert stats["lane_fallbacks"] == 1 and stats["compute_owner_after"] == 1
 
 
 def test_corrupted_shard_is_detected(group):

@@ -13,7 +13,9 @@ Requests (each shared-KV one also sent by R1, a replicated prefill without CP, a
 SGLang's stock CP split can take it, by R2/R3/R4): one chunk; four chunks (one ending
 mid-page); a decode-side prefix hit (7 pages cached on decode); chunks of one page, so all
 ranks but one own nothing of them; a 2-page request on N = 3, 4 (ranks that own nothing at
-all); 80 pages x 61 layers on N = 2 (2,440 descriptors per rank per write). Failures: decode
+all); 80 pages x 61 layers on N = 2 (2,440 descriptors per rank per write); on N = 2, 3, 4 a
+24-page request in two chunks on the pages the plugin's compute-owner allocator hands it
+(each rank's pages of a chunk in at most two runs). Failures: decode
 preallocates fewer pages than the request has (rejected before enqueueing); on the low lane,
 batches sized to it pass, an index write it rejects and a KV write it rejects fail the
 request on both sides with the cause; prefill rank 3 of S4 SIGKILLs itself after its first
@@ -33,6 +35,7 @@ mooncake_engine = pytest.importorskip("mooncake.engine", reason="needs mooncake-
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE  # noqa: E402
 from sglang_cp_shared_kv.testing import pd_rig as rig  # noqa: E402
+from sglang_cp_shared_kv.testing.allocation import request_pages  # noqa: E402
 from sglang_cp_shared_kv.transfer.pages import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
 
 PAGE = PAGE_SIZE
@@ -50,6 +53,8 @@ SCENARIOS = [
     ("rank-owns-nothing-at-all", 100, [100], 0, "contiguous", "scattered"),
 ]
 BIG = ("above-2048-descriptors", 80 * PAGE, [80 * PAGE], 0, "contiguous", "contiguous")
+# (name, seq_len, chunk ends): pages from the compute-owner allocator, decode pages in one run
+COMPUTE_OWNER = ("compute-owner-pages", 24 * PAGE, [12 * PAGE + 30, 24 * PAGE])
 
 
 def _pages(seq_len):
@@ -97,6 +102,12 @@ def build_plan():
             # pages otherwise; see docs/transfer.md), so the flag-off CP runs use those.
             if order == "contiguous":
                 add(f"{name}/R{n}", f"R{n}", seq_len, ends, prefix, logical, dst_order, seed, pair=name)
+    name, seq_len, ends = COMPUTE_OWNER
+    for n in (2, 3, 4):
+        logical, _ = request_pages(n, instances[f"S{n}"]["physical_pages"], ends)
+        pair = f"{name}-N{n}"
+        add(f"{pair}/R1", "R1", seq_len, ends, 0, logical, "contiguous", 20 + n, pair=pair)
+        add(f"{pair}/S{n}", f"S{n}", seq_len, ends, 0, logical, "contiguous", 20 + n, pair=pair)
     add("decode-preallocated-too-few-pages/S2", "S2", 20 * PAGE, [20 * PAGE], 0, np.arange(1, 21), "contiguous",
         8, decode_short_by=2, expect="failed")
     # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
@@ -174,7 +185,8 @@ def test_decode_receives_what_a_replicated_prefill_sends(pd_run):
         room = pd_run["by_name"][name]
         if "pair" in room:
             digests.setdefault(room["pair"], {})[room["instance"]] = decode["digest"]
-    assert sorted(digests) == sorted(s[0] for s in SCENARIOS + [BIG])
+    assert sorted(digests) == sorted([s[0] for s in SCENARIOS + [BIG]] +
+                                     [f"{COMPUTE_OWNER[0]}-N{n}" for n in (2, 3, 4)])
     for scenario, by_instance in digests.items():
         assert "R1" in by_instance and any(i.startswith("S") for i in by_instance), scenario
         reference = by_instance.pop("R1")
@@ -220,6 +232,17 @@ def test_a_rank_that_owns_nothing_still_completes(pd_run):
         ranks = _ranks(pd_run, f"rank-owns-nothing-at-all/S{n}")
         idle = [r for r in ranks.values() if r["stats"]["kv_pages"] == 0 and r["stats"]["state_pages"] == 0]
         assert len(idle) == n - 2 and all(r["status"] == "success" for r in ranks.values())
+
+
+def test_compute_owner_pages_go_in_two_runs_per_chunk(pd_run):
+    """On the compute-owner allocator's pages every rank sends each chunk as at most two
+    runs per layer (its two zigzag segments), byte-exact (the digest test above)."""
+    for n in (2, 3, 4):
+        name = f"{COMPUTE_OWNER[0]}-N{n}/S{n}"
+        for rank, result in _ranks(pd_run, name).items():
+            assert result["status"] == "success", _context(pd_run, name)
+            for chunk in result["chunks"]:
+                assert chunk["owned_pages"] > 0 and chunk["descriptors"] <= 2 * LAYERS, (name, rank, chunk)
 
 
 def test_request_above_the_lane_limit_is_sent_in_bounded_batches(pd_run):

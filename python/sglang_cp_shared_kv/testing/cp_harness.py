@@ -34,6 +34,7 @@ same collectives; the parent process enforces a deadline and kills stragglers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -67,6 +68,9 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
         for key, outcome in result["scenarios"].items():
             entry = merged.setdefault(key, {"errors": [], "stats": outcome["stats"]})
             entry["errors"] += [f"rank {r}: {e}" for e in outcome["errors"]]
+            if outcome["stats"]["allocation"] != entry["stats"]["allocation"]:  # decisions must agree
+                entry["errors"].append(f"rank {r}: allocator decisions {outcome['stats']['allocation']} differ "
+                                       f"from rank 0's {entry['stats']['allocation']}")
     return merged
 
 
@@ -74,10 +78,11 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
 def _rank_main(rank, n, port, out_dir, jobs, device):
     result: dict = {"scenarios": {}}
     try:
-        group = _init_process(rank, n, port, device)
+        group = init_rank_process(rank, n, port, device)
         for name, dtype_name, debug in jobs:
             rig = Rig(rank, n, dtype_name, group, device, debug=debug)
             SCENARIOS[name](rig)
+            rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
             result["scenarios"][f"{name}/{dtype_name}/debug={debug}"] = {
                 "errors": rig.errors[:20], "stats": rig.stats}
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -88,7 +93,7 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
     os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
 
 
-def _init_process(rank: int, n: int, port: int, device: str):
+def init_rank_process(rank: int, n: int, port: int, device: str):
     """gloo world + SGLang's attention-CP GroupCoordinator over it, as SGLang sets them up."""
     torch.set_num_threads(1)
     if device == "cuda":

@@ -6,6 +6,7 @@ negative control (one corrupted history page must be caught) and a randomized so
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Dict, List
 
 import numpy as np
@@ -68,9 +69,34 @@ def corrupted_shard_is_detected(rig: Rig):
     rig.errors.clear()
 
 
+def lane_exhaustion(rig: Rig):
+    """Free pages skewed to rank 0's owner lane: a chunk the other lanes cannot serve takes
+    interleaved pages (the same fallback on every rank) and stays bit-exact; a chunk the
+    lanes can serve afterwards is compute-owner again."""
+    import torch
+
+    alloc = rig.allocator
+    held = torch.unique(alloc.alloc(alloc.available_size()) // PAGE)  # every free page
+    lanes = (held - 1) % rig.n
+    back = torch.cat([held[lanes == 0]] + [held[lanes == r][:2] for r in range(1, rig.n)])
+    alloc.free((back[:, None] * PAGE + torch.arange(PAGE, device=back.device)).reshape(-1))
+    before = dataclasses.replace(alloc.stats)
+    req = rig.new_request()
+    served = rig.extend(req, 3 * rig.n * PAGE)  # 3N pages: more than the 2 free pages of lanes 1..N-1 can hold
+    rig.stats["lane_fallbacks"] = alloc.stats.lane_fallbacks - before.lane_fallbacks
+    rig.release(req, set())
+    rest = held[~torch.isin(held, back)]
+    alloc.free((rest[:, None] * PAGE + torch.arange(PAGE, device=rest.device)).reshape(-1))
+    served = rig.extend(rig.new_request(), 2 * rig.n * PAGE) and served
+    if not served:
+        rig.errors.append("lane_exhaustion: a request was refused while the logical pool had room")
+    rig.stats["compute_owner_after"] = alloc.stats.compute_owner_chunks - before.compute_owner_chunks
+
+
 def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
     """Random request mixes: fresh and chunked requests, radix prefix hits, frees and page
-    reuse (so ownership of a sequence's pages gets uneven), padding rows."""
+    reuse (so ownership of a sequence's pages gets uneven), padding rows. One request in
+    four is long enough (2N to 2N + 3 pages) for compute-owner allocation of its chunks."""
     rng = np.random.default_rng(seed)
     live: List[Request] = []
 
@@ -86,7 +112,8 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
             req = rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
         else:
             req = rig.new_request()
-        total = int(rng.integers(1, 400))
+        long_request = rng.random() < 0.25
+        total = int(rng.integers(2 * rig.n * PAGE, (2 * rig.n + 4) * PAGE)) if long_request else int(rng.integers(1, 400))
         cuts = sorted(set(rng.integers(1, total, size=int(rng.integers(0, 3))).tolist())) if total > 1 else []
         chunks = np.diff([0, *cuts, total]).tolist()
         ok = True
@@ -107,5 +134,6 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
 
 SCENARIOS: Dict[str, Callable[[Rig], None]] = {
     f.__name__: f for f in (single_chunk, chunked_prefill, radix_prefix_hit, prefix_mid_page,
-                            fewer_pages_than_ranks, full_view_fallback, corrupted_shard_is_detected, soak)
+                            fewer_pages_than_ranks, full_view_fallback, corrupted_shard_is_detected,
+                            lane_exhaustion, soak)
 }

@@ -4,6 +4,7 @@ import json
 import socket
 import time
 from pathlib import Path
+from typing import Optional
 
 # A tiny DeepSeek-V3.2 (NSA, MLA) config: the shapes of the real model, two dense layers.
 TINY_DSV32 = {
@@ -42,6 +43,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def supervise(procs, *, timeout_s: float, grace_s: float = 0.0, on_tick=None, what: str = "rank") -> Optional[str]:
+    """Wait for started ``procs`` until all exit, one fails (then give the others
+    ``grace_s`` to finish: a process waiting on a collective its failed peer never issues
+    would wait forever) or ``timeout_s`` passes; kill what is left. Returns what went
+    wrong, or None. ``on_tick()`` runs every 50 ms (e.g. to read progress)."""
+    deadline, first_failure, problem = time.monotonic() + timeout_s, None, None
+    try:
+        while any(p.is_alive() for p in procs):
+            if on_tick is not None:
+                on_tick()
+            dead = [i for i, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+            if dead and first_failure is None:
+                first_failure = time.monotonic()
+            if first_failure is not None and time.monotonic() >= first_failure + grace_s:
+                problem = f"{what}(s) {dead} exited with {[procs[i].exitcode for i in dead]}"
+                break
+            if time.monotonic() > deadline:
+                problem = f"deadline of {timeout_s:.0f}s passed (a {what} waiting on a collective?)"
+                break
+            time.sleep(0.05)
+        if on_tick is not None:
+            on_tick()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    return problem
+
+
 def run_rank_processes(ctx, target, n: int, out_dir: str, *, args=(), timeout_s: float,
                        what: str) -> list:
     """Start ``target(rank, *args)`` in ``n`` processes of context ``ctx``, wait for all of
@@ -51,20 +82,7 @@ def run_rank_processes(ctx, target, n: int, out_dir: str, *, args=(), timeout_s:
     procs = [ctx.Process(target=target, args=(r, *args), daemon=True) for r in range(n)]
     for p in procs:
         p.start()
-    deadline, failed = time.monotonic() + timeout_s, None
-    while any(p.is_alive() for p in procs):
-        dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
-        if dead:
-            failed = f"rank(s) {dead} exited with {[procs[r].exitcode for r in dead]}"
-            break
-        if time.monotonic() > deadline:
-            failed = f"deadline of {timeout_s:.0f}s passed (a rank waiting on a collective?)"
-            break
-        time.sleep(0.05)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
+    failed = supervise(procs, timeout_s=timeout_s)
     results = []
     for r in range(n):
         path = Path(out_dir, f"rank{r}.json")

@@ -4,8 +4,10 @@ Owns :class:`DecodeSide`: a stock ``NSATokenToKVPool`` filled with :data:`SENTIN
 its ``MooncakeKVManager`` in DECODE mode, preallocating a room's pages as
 ``DecodePreallocQueue`` does (decode prefix first, marked :data:`PREFIX_MARK`; contiguous
 or scattered), sending the metadata with ``MooncakeKVReceiver``, polling to
-Success/Failed, verifying every received byte (and the aux metadata), and the final
-check that no page outside a room was written.
+Success/Failed, verifying every received byte (and the aux metadata) against the room's
+deterministic content, or against the pages a file holds (``room["expected_file"]``: what
+a replicated prefill's pool holds for the room), and the final check that no page outside
+a room was written.
 """
 
 from __future__ import annotations
@@ -131,9 +133,13 @@ class DecodeSide:
         total = pages_t.numel()
         problems: List[str] = []
         digest = hashlib.sha256()
+        expected = np.load(room["expected_file"]) if room.get("expected_file") else None
         for layer in range(g.layers):
-            kv_expected = content(room["seed"], layer, total, g.kv_page_bytes, "kv")
-            index_expected = content(room["seed"], layer, total, g.index_page_bytes, "index")
+            if expected is not None:  # (layers, pages, page bytes) arrays "kv" and "index"
+                kv_expected, index_expected = expected["kv"][layer], expected["index"][layer]
+            else:
+                kv_expected = content(room["seed"], layer, total, g.kv_page_bytes, "kv")
+                index_expected = content(room["seed"], layer, total, g.index_page_bytes, "index")
             kv_got = kv_pages(self.pool, layer)[pages_t].numpy()
             index_got = index_pages(self.pool, layer)[pages_t].numpy()
             digest.update(kv_got[prefix:].tobytes())

@@ -3,7 +3,8 @@
 Owns :class:`PrefillInstance`: its pool (the plugin's physical pool with shared KV, a
 stock ``NSATokenToKVPool`` otherwise), its ``MooncakeKVManager`` in PREFILL mode, the
 scheduler attributes SGLang's ``send_kv_chunk`` reads, filling the pool with a room's
-content (only the pages this rank owns, with shared KV), and sending a room the way
+content (only the pages this rank owns, with shared KV; or sending what a given pool
+already holds, ``room["content"] == "pool"``), and sending a room the way
 SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` per chunk), optionally killing
 this process mid-transfer when the plan asks.
@@ -34,7 +35,9 @@ from sglang_cp_shared_kv.testing.pd.sglang_side import (
 class PrefillInstance:
     """Rank ``cp_rank`` of one prefill instance in this process."""
 
-    def __init__(self, name: str, spec: Dict[str, Any], cp_rank: int, geometry: Geometry, max_seq_len: int):
+    def __init__(self, name: str, spec: Dict[str, Any], cp_rank: int, geometry: Geometry, max_seq_len: int,
+                 pool=None):
+        """``pool``: send from this pool (e.g. one a CP forward filled) instead of a new one."""
         import torch
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -49,7 +52,9 @@ class PrefillInstance:
         self.name, self.spec, self.cp_rank, self.geometry = name, spec, cp_rank, geometry
         self.cp_size, self.shared = spec["cp_size"], spec["shared"]
         self.layout = CpSharedKVLayout(PAGE_SIZE, self.cp_size, cp_rank)
-        if self.shared:
+        if pool is not None:
+            self.pool = pool
+        elif self.shared:
             self.pool = CpSharedNSATokenToKVPool(spec["physical_pages"] * PAGE_SIZE * self.cp_size,
                                                  context=CpSharedKVContext(self.layout), **geometry.pool_kwargs())
         else:
@@ -93,6 +98,10 @@ class PrefillInstance:
         import torch
 
         logical = np.asarray(room["logical_pages"], dtype=np.int64)
+        locs = (logical[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)[None, :]).reshape(-1)[: room["seq_len"]]
+        self.req_to_token[0, : room["seq_len"]] = torch.from_numpy(locs.astype(np.int32))
+        if room.get("content") == "pool":
+            return  # send what the pool holds
         positions = np.arange(logical.size)
         if self.shared:
             physical, owned = self.layout.filter_owned_pages_np(logical, positions)
@@ -105,8 +114,6 @@ class PrefillInstance:
             index = content(room["seed"], layer, logical.size, g.index_page_bytes, "index")
             kv_pages(self.pool, layer)[rows] = torch.from_numpy(kv[owned])
             index_pages(self.pool, layer)[rows] = torch.from_numpy(index[owned])
-        locs = (logical[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)[None, :]).reshape(-1)[: room["seq_len"]]
-        self.req_to_token[0, : room["seq_len"]] = torch.from_numpy(locs.astype(np.int32))
 
     def send(self, room: Dict[str, Any], my_proc: str) -> Dict[str, Any]:
         from sglang.srt.disaggregation.base.conn import KVPoll

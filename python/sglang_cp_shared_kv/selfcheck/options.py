@@ -1,0 +1,63 @@
+"""The selfcheck's settings, each checked against its allowed range (pure; no torch, no SGLang).
+
+A bad value raises :class:`SelfcheckArgumentError` with one line naming the argument and
+the allowed range; the CLI prints that line and exits 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from sglang_cp_shared_kv.kv_geometry import KV_CACHE_DTYPES, PAGE_SIZE
+
+INJECTIONS = ("skip-write", "corrupt-shard", "drop-batch")
+DEVICES = ("cpu", "cuda")
+MAX_CP_SIZE = 8
+#: The harness model's context (``max_seq_len`` of its request table).
+MAX_CONTEXT_LEN = 4096
+
+
+class SelfcheckArgumentError(ValueError):
+    """A selfcheck setting outside its allowed range (the message names it and the range)."""
+
+
+@dataclass(frozen=True)
+class SelfcheckOptions:
+    """One selfcheck run. Defaults finish in about a minute on a 2-core CPU machine."""
+
+    cp_size: int = 2
+    chunks: int = 3
+    context_len: int = 1536
+    prefix_len: int = 448
+    kv_cache_dtype: str = "bf16"
+    device: str = "cpu"
+    inject: Optional[str] = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        def refuse(argument: str, allowed: str, got) -> None:
+            raise SelfcheckArgumentError(f"{argument} must be {allowed}, got {got!r}")
+
+        if not 2 <= self.cp_size <= MAX_CP_SIZE:
+            refuse("--cp-size", f"an integer from 2 to {MAX_CP_SIZE}", self.cp_size)
+        if not 1 <= self.context_len <= MAX_CONTEXT_LEN:
+            refuse("--context-len", f"an integer from 1 to {MAX_CONTEXT_LEN}", self.context_len)
+        if not (0 <= self.prefix_len < self.context_len and self.prefix_len % PAGE_SIZE == 0):
+            refuse("--prefix-len", f"a multiple of {PAGE_SIZE} (the radix cache shares whole pages) from 0 "
+                   f"to below --context-len {self.context_len}", self.prefix_len)
+        if not 1 <= self.chunks <= self.context_len - self.prefix_len:
+            refuse("--chunks", f"an integer from 1 to the {self.context_len - self.prefix_len} tokens after the "
+                   "prefix", self.chunks)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            refuse("--kv-cache-dtype", f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
+        if self.device not in DEVICES:
+            refuse("--device", f"one of {', '.join(DEVICES)}", self.device)
+        if self.inject is not None and self.inject not in INJECTIONS:
+            refuse("--inject", f"one of {', '.join(INJECTIONS)}", self.inject)
+
+    @property
+    def chunk_ends(self) -> list:
+        """Where each chunk after the prefix ends (sequence positions), as even as tokens allow."""
+        tokens = self.context_len - self.prefix_len
+        return [self.prefix_len + tokens * (k + 1) // self.chunks for k in range(self.chunks)]

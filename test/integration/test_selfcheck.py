@@ -1,0 +1,100 @@
+"""``python -m sglang_cp_shared_kv selfcheck``: PASS on the real path at N = 2 and 4 (bf16 and
+fp8), FAIL naming the check for each fault it can inject, one-line errors for bad
+arguments, and JSON whose figures agree with the planner."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
+
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+
+CLI = [sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"]
+
+
+def selfcheck(*args, timeout=600):
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def checks_of(report):
+    return {c["name"]: c for c in report["checks"]}
+
+
+@pytest.mark.parametrize("args", [
+    ["--json"],
+    ["--json", "--cp-size", "4", "--kv-cache-dtype", "fp8_e4m3"],
+], ids=["N2-bf16-defaults", "N4-fp8"])
+def test_selfcheck_passes(args):
+    code, out, err = selfcheck(*args)
+    report = json.loads(out)
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
+    assert code == 0 and report["verdict"] == "PASS", (failed, err[-3000:])
+    n = report["options"]["cp_size"]
+    ranks = report["ranks"]
+    assert len(ranks) == n and all(r["reported"] for r in ranks)
+    assert sum(r["sent_pages"] for r in ranks) == report["request"]["pages"]
+    assert all(r["kv_descriptors"] > 0 and r["materialized_bytes_per_layer"] > 0 for r in ranks)
+    # the capacity figures are the planner's for the same settings
+    cap, planner = report["capacity"], report["capacity"]["planner"]
+    assert cap["logical_tokens"] == planner["logical_tokens"] == n * cap["physical_tokens_per_rank"]
+    assert cap["kv_bytes_per_rank"] == planner["kv_bytes_per_rank"]
+    assert planner["page_size"] == PAGE_SIZE and planner["cp_size"] == n
+
+
+def test_the_table_shows_every_figure_and_check():
+    from sglang_cp_shared_kv.selfcheck.report import build_report, format_report
+
+    rank = {"capacity": {"physical_tokens": 640, "logical_tokens": 1280, "allocator_tokens": 1280,
+                         "kv_bytes": 1, "stock_kv_bytes_same_physical": 1, "layout_logical_tokens": 1280},
+            "prefill": {"errors": [], "forwards": 4, "allocation": {"compute_owner_chunks": 1}, "request_pages": [1, 2]},
+            "stored": {"pages": 1, "bytes": 10}, "materialized_bytes_per_layer": {"bytes": 5},
+            "transfer": {"stats": {"kv_pages": 1, "write_bytes": 12, "kv_descriptors": 2, "state_descriptors": 2}}}
+    report = build_report(SelfcheckOptions(), [rank, rank], {"receive": {"status": "success", "verified": True},
+                                                             "stray_writes": []}, 1.0, None)
+    text = format_report(report)
+    assert "logical 1,280 tokens = 2 x physical 640 per rank" in text
+    assert "FAIL  capacity" in text  # 1 B of KV per rank is not what the planner says for 640 tokens
+    for line in ("PASS  prefill bit-exact", "PASS  decode pool", "PASS  every page sent once", "verdict: FAIL"):
+        assert line in text, text
+
+
+@pytest.mark.parametrize("fault,caught_by", [
+    ("skip-write", {"prefill bit-exact", "decode pool"}),
+    ("corrupt-shard", {"prefill bit-exact", "decode pool"}),
+    ("drop-batch", {"decode pool"}),
+])
+def test_each_injected_fault_fails_the_check_that_catches_it(fault, caught_by):
+    code, out, err = selfcheck("--json", "--inject", fault, "--context-len", "1024", "--prefix-len", "256",
+                               "--chunks", "2")
+    report = json.loads(out)
+    failed = {name for name, c in checks_of(report).items() if not c["passed"]}
+    assert code == 1 and report["verdict"] == "FAIL", err[-2000:]
+    assert caught_by <= failed, (fault, failed)
+    assert "processes" not in failed and "capacity" not in failed  # it ran to the end and said why
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--cp-size", "1"], "--cp-size must be an integer from 2 to 8"),
+    (["--context-len", "0"], "--context-len must be an integer from 1"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype must be one of bf16, fp8_e4m3"),
+    (["--context-len", "100", "--prefix-len", "0", "--chunks", "101"], "--chunks must be an integer from 1 to the 100"),
+    (["--prefix-len", "100"], "--prefix-len must be a multiple of 64"),
+    (["--inject", "everything"], "--inject must be one of skip-write, corrupt-shard, drop-batch"),
+    (["--cp-size", "two"], "argument --cp-size: expected an integer"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, named):
+    code, out, err = selfcheck(*args, timeout=120)
+    assert code == 2 and out == "", (out, err)
+    assert len(err.strip().splitlines()) == 1 and named in err and "Traceback" not in err, err
+
+
+def test_options_validate_themselves():
+    assert SelfcheckOptions().chunk_ends[-1] == SelfcheckOptions().context_len
+    assert SelfcheckOptions(context_len=1000, prefix_len=0, chunks=3).chunk_ends == [333, 666, 1000]
+    with pytest.raises(SelfcheckArgumentError, match="--device"):
+        SelfcheckOptions(device="tpu")
