@@ -23,9 +23,10 @@ from typing import Tuple
 from sglang_cp_shared_kv import hook_check
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.config import FLAG, is_enabled
+from sglang_cp_shared_kv.config import FLAG, PREFETCH_ENV, is_enabled, prefetch_enabled
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
+from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
 from sglang_cp_shared_kv.server_args import validate
 
@@ -81,6 +82,10 @@ def build_pools(original, runner, *args, **kwargs):
     if getattr(runner.memory_pool_config, PHYSICAL_TOKENS_ATTR, None) is None:
         raise RuntimeError(f"{FLAG}: the pools are being built before the capacity split ran")
     context = CpSharedKVContext(layout_for_runner(runner))
+    if prefetch_enabled():
+        context.prefetch_group = new_prefetch_group()
+        logger.info("CP shared KV: MLA history prefetch on (%s=1): one layer ahead on its own communicator",
+                    PREFETCH_ENV)
     with use_cp_shared_pool_classes(context):
         result = original(runner, *args, **kwargs)
     pool, allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator

@@ -5,6 +5,9 @@
 * ``SGLANG_DEBUG_CP_SHARED_KV=1`` turns on CUDA-syncing invariant checks and the
   debug-level logs; off by default and off for performance measurement;
 * ``SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS`` tunes the PD transfer batch size;
+* ``SGLANG_CP_SHARED_KV_PREFETCH=1`` gathers each layer's MLA history one layer ahead
+  (phase 8; off by default until it is measured on multi-GPU NCCL);
+* ``SGLANG_CP_SHARED_KV_NVTX=1`` marks the plugin's work with NVTX ranges (Nsight Systems);
 * ``SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD`` is for end-to-end tests only.
 """
 
@@ -23,6 +26,13 @@ FLAG_HELP = (
 )
 
 DEBUG_ENV = "SGLANG_DEBUG_CP_SHARED_KV"
+
+#: Gather layer L+1's MLA history while layer L computes (:mod:`forward.prefetch`). Read at
+#: startup (the prefetch communicator is created with the pool) and per batch.
+PREFETCH_ENV = "SGLANG_CP_SHARED_KV_PREFETCH"
+
+#: NVTX ranges around the plugin's work (:mod:`nvtx`); off: no range is pushed at all.
+NVTX_ENV = "SGLANG_CP_SHARED_KV_NVTX"
 
 #: Test-only: accept ``--disaggregation-mode null`` (one server answering prefill-only
 #: requests, ``max_new_tokens=1``) so end-to-end checks can compare prompt logprobs
@@ -47,6 +57,14 @@ def _env_true(name: str) -> bool:
 
 def debug_enabled() -> bool:
     return _env_true(DEBUG_ENV)
+
+
+def prefetch_enabled() -> bool:
+    return _env_true(PREFETCH_ENV)
+
+
+def nvtx_enabled() -> bool:
+    return _env_true(NVTX_ENV)
 
 
 def testing_non_pd_allowed() -> bool:

@@ -39,6 +39,9 @@ class CpSharedKVContext:
     kernels: KernelDispatch = field(default_factory=KernelDispatch)
     #: the capacity figures, once ``init_memory_pool`` has built the pool (None before)
     split: Optional[CapacitySplit] = None
+    #: the second process group over the CP ranks that carries the one-layer-ahead MLA
+    #: history gathers (``forward.prefetch``); None: prefetch off
+    prefetch_group: Optional[object] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, CpSharedKVLayout):

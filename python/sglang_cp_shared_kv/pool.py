@@ -83,6 +83,7 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
         self._mla_view: Optional[Tuple[int, torch.Tensor]] = None
         self._index_view: Optional[Tuple[int, torch.Tensor]] = None
         self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
+        self._prefetched = None  # the next layer's MLA history being gathered (forward.prefetch)
 
     @property
     def cp_layout(self):
@@ -96,6 +97,7 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
 
     def end_batch(self) -> None:
         self.batch_state = None
+        self._prefetched = None  # only a failed forward leaves one: the last layer starts nothing
         self.clear_views()
 
     def clear_views(self) -> None:
@@ -107,6 +109,18 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
 
     def set_index_view(self, layer_id: int, dense: torch.Tensor) -> None:
         self._index_view = (layer_id, dense)
+
+    def put_prefetched(self, history) -> None:
+        """Keep the next layer's MLA history (``forward.materialize.MlaHistory``) until it is taken."""
+        self._prefetched = history
+
+    def take_prefetched(self, layer_id: int):
+        """The MLA history prefetched for ``layer_id`` (None if there is none for it)."""
+        history, self._prefetched = self._prefetched, None
+        if history is not None and history.layer_id != layer_id:
+            raise RuntimeError(f"{FLAG}: layer {layer_id} found layer {history.layer_id}'s prefetched history; "
+                               "the layers ran out of order")
+        return history
 
     def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id - self.start_layer]

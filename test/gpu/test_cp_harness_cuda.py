@@ -19,3 +19,20 @@ def test_harness_on_cuda_with_real_kernels(n):
     assert not failures, failures
     assert all(v["stats"]["detected"] for k, v in results.items()
                if k.startswith("corrupted_shard_is_detected/"))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_prefetch_on_cuda_with_real_kernels(n):
+    """Phase 8 with CUDA tensors: the layer-ahead MLA history gather runs asynchronously on
+    its own group (gloo here: several ranks share the GPU) while the layer computes on the
+    CUDA stream; the next layer waits for it. Bit-exact, also with a rank that issues its
+    gathers late, and the negative control still caught."""
+    jobs = [(name, dtype, "off", {"prefetch": True}) for dtype in ("bf16", "fp8_e4m3")
+            for name in ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "corrupted_shard_is_detected")]
+    jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
+    results = run_cp_group(n, jobs, device="cuda", timeout_s=540)
+    failures = {k: v["errors"] for k, v in results.items()
+                if v["errors"] and not k.startswith("corrupted_shard_is_detected/")}
+    assert not failures, failures
+    assert all(v["stats"]["detected"] for k, v in results.items() if k.startswith("corrupted_shard_is_detected/"))
+    assert all(v["stats"]["prefetch_group"] == {"distinct": True, "size": n} for v in results.values())

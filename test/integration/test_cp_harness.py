@@ -2,7 +2,8 @@
 
 One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_harness.py for what is
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
-the debug checks forward by forward.
+the debug checks forward by forward; at N = 2, 3, 4 the chunked scenarios run again with
+the one-layer-ahead MLA history prefetch (phase 8).
 """
 
 import pytest
@@ -12,6 +13,9 @@ from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback")
 DTYPES = ("bf16", "fp8_e4m3")
+# phase 8: the one-layer-ahead MLA history gather, where there is history to gather
+PREFETCH_N = (2, 3, 4)
+PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "corrupted_shard_is_detected")
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda n: f"N{n}")
@@ -20,6 +24,9 @@ def group(request):
     jobs += [("corrupted_shard_is_detected", dtype, "off") for dtype in DTYPES]
     jobs += [("lane_exhaustion", dtype, "on") for dtype in DTYPES]
     jobs += [("soak", dtype, "alternate") for dtype in DTYPES]
+    if request.param in PREFETCH_N:
+        jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
+        jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
 
@@ -35,7 +42,8 @@ def _assert_clean(results, scenario):
 def test_scenario_bit_exact(group, scenario):
     n, results = group
     outcomes = _assert_clean(results, scenario)
-    assert len(outcomes) == 4  # bf16/fp8 x debug on/off
+    plain = {k: v for k, v in outcomes.items() if "prefetch" not in k}
+    assert len(plain) == 4  # bf16/fp8 x debug on/off (and the prefetch runs below)
     assert all(v["stats"]["topk_rows"] > 0 for v in outcomes.values())
 
 
@@ -55,6 +63,25 @@ def test_lane_exhaustion_falls_back_alike_on_every_rank(group):
     n, results = group
     for stats in (v["stats"] for v in _assert_clean(results, "lane_exhaustion").values()):
         assert stats["lane_fallbacks"] == 1 and stats["compute_owner_after"] == 1
+
+
+def test_prefetch_bit_exact(group):
+    """Phase 8: with each layer's MLA history gathered one layer ahead on a second group
+    (asynchronous gloo), kernel inputs and attention stay bit-exact for chunked prefill,
+    radix hits and full-view layers, bf16 and fp8; a rank that issues its layer-ahead
+    gathers late (only when its next layer needs them) changes nothing: every rank waits
+    for the gather before reading the view."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
+    runs = {k: v for k, v in results.items() if "prefetch=True" in k}
+    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 1
+    for key, outcome in runs.items():
+        if key.startswith("corrupted_shard_is_detected/"):
+            assert outcome["stats"]["detected"], key  # the comparison still catches a bad page
+            continue
+        assert not outcome["errors"], (key, outcome["errors"])
+        assert outcome["stats"]["prefetch_group"] == {"distinct": True, "size": n}, key
 
 
 def test_corrupted_shard_is_detected(group):

@@ -4,8 +4,9 @@ pass-through to SGLang.
 
 Order within one forward: ``init_forward_metadata`` (batch state) -> per layer: the
 indexer's key all-gather (re-range) and index store (owner write + index view) -> the
-latent all-gather (re-range) and ``forward_extend`` (owner write + MLA view + stock
-kernels) -> the final hidden-state all-gather (re-range).
+latent all-gather (re-range) and ``forward_extend`` (the layer's MLA history, prefetched or
+gathered now; the next layer's history prefetch started; owner write; the chunk into the
+MLA view; stock kernels) -> the final hidden-state all-gather (re-range).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_shared_kv.forward import batch_state as batch_state_module
-from sglang_cp_shared_kv.forward import in_seq_rerange, materialize, writes
+from sglang_cp_shared_kv.forward import in_seq_rerange, materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.nvtx import marked
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
 
 
@@ -32,7 +34,8 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
         return result
     pool.end_batch()
     metadata = backend.forward_metadata
-    state = batch_state_module.build_for_forward(pool, metadata, forward_batch)
+    with marked("batch_state"):
+        state = batch_state_module.build_for_forward(pool, metadata, forward_batch)
     if state is None:  # idle batch
         return result
     dense = batch_state_module.dense_metadata(metadata, state)
@@ -53,7 +56,8 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     def sglang_store(batch, layer, keys):
         original(indexer, batch, layer, keys, *args, **kwargs)
 
-    writes.store_owned_index_rows(sglang_store, forward_batch, state, layer_id, key)
+    with marked("owner_write"):
+        writes.store_owned_index_rows(sglang_store, forward_batch, state, layer_id, key)
     materialize.materialize_index(
         state, forward_batch.token_to_kv_pool, layer_id,
         lambda dense: writes.store_index_rows_into(sglang_store, forward_batch, state, layer_id, key, dense))
@@ -69,9 +73,13 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
     pool = forward_batch.token_to_kv_pool
     k_rope = kwargs.get("k_rope")
     chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
+    # prefetched during the layer before, or gathered now
+    history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
+    prefetch.prefetch_next(state, pool, layer.layer_id)
     if chunk is not None:
-        pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
-    pool.set_mla_view(layer.layer_id, materialize.materialize_mla(state, pool, layer, chunk))
+        with marked("owner_write"):
+            pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
+    pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
     try:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
     finally:

@@ -22,6 +22,7 @@ that decision is made from the call's arguments, which are the same on every ran
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -30,6 +31,7 @@ from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.writes import store_mla_rows_into
 from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.nvtx import marked
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +42,18 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
-                  shard_words: torch.Tensor, send_pages: torch.Tensor, group) -> int:
+                  shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False):
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
-    Returns the bytes this rank received (0: no collective, on every rank alike)."""
+    Returns (bytes this rank receives, the collective's work handle when ``async_op``, else
+    None); no collective, on every rank alike, when the region is empty."""
     start, end = region
     if end == start:
-        return 0
-    packed = kernels.pack_pages(shard_words, send_pages)
-    torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group)
-    return (end - start - packed.shape[0]) * packed.shape[1] * 8
+        return 0, None
+    with marked("materialize:pack+gather"):
+        packed = kernels.pack_pages(shard_words, send_pages)
+        work = torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group,
+                                                        async_op=async_op)
+    return (end - start - packed.shape[0]) * packed.shape[1] * 8, work
 
 
 def new_dense_view(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.Tensor:
@@ -84,8 +89,8 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_index_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
-    received = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
-                             page_words(shard, shard.shape[0]), page_map.history_send, state.group)
+    received, _ = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
+                                page_words(shard, shard.shape[0]), page_map.history_send, state.group)
     store_chunk_into(dense)
     if state.debug:
         _check_owned_rows_match(
@@ -97,22 +102,52 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
 
 
 # -------------------------------------------------------------------------- MLA
-def materialize_mla(state: CpSharedBatchState, pool, layer,
-                    chunk: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """The dense MLA view of ``layer``; ``chunk`` = (k_nope, k_rope) of the current rows,
-    or None to gather the current region from the shards as well."""
+@dataclass
+class MlaHistory:
+    """One layer's dense MLA view with its history region gathered, or being gathered
+    (``work``: the all-gather's handle until :meth:`wait`)."""
+
+    layer_id: int
+    dense: torch.Tensor
+    received: int
+    work: Optional[object] = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            with marked("prefetch:wait"):
+                self.work.wait()
+            self.work = None
+
+
+def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *, async_op: bool = False) -> MlaHistory:
+    """A new dense MLA view of ``layer_id`` and the all-gather of its history region (over
+    ``group``; returns at once with ``async_op``, the gather then running on that group's
+    own stream / thread until :meth:`MlaHistory.wait`)."""
     page_map, page_size = state.page_map, state.layout.page_size
-    shard = pool.physical_kv_buffer(layer.layer_id)
-    shard_pages = shard.shape[0] // page_size
+    shard = pool.physical_kv_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
-    dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard_pages)
-    received = gather_region(state.kernels, dense_words, page_map.history_region, shard_words,
-                             page_map.history_send, state.group)
+    received, work = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
+                                   page_map.history_region, page_words(shard, shard.shape[0] // page_size),
+                                   page_map.history_send, group, async_op=async_op)
+    return MlaHistory(layer_id, dense, received, work)
+
+
+def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
+                    chunk: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The complete dense MLA view of ``layer``: ``history`` (waited for), then ``chunk`` =
+    (k_nope, k_rope) of the current rows stored into it, or, when None, the current region
+    gathered from the shards as well (the phase-2 full view)."""
+    page_map, page_size = state.page_map, state.layout.page_size
+    history.wait()
+    dense, received = history.dense, history.received
+    shard = pool.physical_kv_buffer(layer.layer_id)
     if chunk is None:
-        received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
-                                  page_map.current_send, state.group)
+        received += gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
+                                  page_map.current_region, page_words(shard, shard.shape[0] // page_size),
+                                  page_map.current_send, state.group)[0]
     else:
-        store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
+        with marked("materialize:chunk"):
+            store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
         if state.debug:
             dense_locs = state.dense_out_locs.index_select(0, state.owned_rows)
             _check_owned_rows_match(state, "MLA", shard[state.owned_physical_locs], dense[dense_locs])
@@ -120,3 +155,9 @@ def materialize_mla(state: CpSharedBatchState, pool, layer,
         logger.debug("CP shared KV layer %d MLA: dense %d pages, received %d B%s", layer.layer_id,
                      page_map.num_dense_pages, received, "" if chunk is not None else " (full view)")
     return dense
+
+
+def materialize_mla(state: CpSharedBatchState, pool, layer,
+                    chunk: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The dense MLA view of ``layer``, gathered now (no prefetch)."""
+    return finish_mla_view(state, pool, layer, gather_mla_history(state, pool, layer.layer_id, state.group), chunk)

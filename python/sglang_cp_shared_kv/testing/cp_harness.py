@@ -34,11 +34,13 @@ same collectives; the parent process enforces a deadline and kills stragglers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import Dict, List
@@ -53,9 +55,10 @@ from sglang_cp_shared_kv.testing.support import free_port, gloo_attention_cp_gro
 # ============================================================ parent side
 def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
                  timeout_s: float = 1200.0) -> Dict[str, dict]:
-    """Run ``jobs`` = [(scenario, dtype, debug)] on ``n`` ranks, debug being "on", "off" or
-    "alternate" (per forward); return, per ``scenario/dtype/debug`` key, the merged
-    outcome of all ranks."""
+    """Run ``jobs`` = [(scenario, dtype, debug[, options])] on ``n`` ranks, debug being "on",
+    "off" or "alternate" (per forward), options {"prefetch": bool, "slow_prefetch_rank": r}
+    (that rank starts each prefetch late); return, per ``scenario/dtype/debug[/options]``
+    key, the merged outcome of all ranks."""
     import torch.multiprocessing as mp
 
     out_dir = tempfile.mkdtemp(prefix=f"cp-harness-{n}-")
@@ -79,18 +82,57 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
     result: dict = {"scenarios": {}}
     try:
         group = init_rank_process(rank, n, port, device)
-        for name, dtype_name, debug in jobs:
-            rig = Rig(rank, n, dtype_name, group, device, debug=debug)
-            SCENARIOS[name](rig)
+        for name, dtype_name, debug, *more in jobs:
+            options = more[0] if more else {}
+            rig = Rig(rank, n, dtype_name, group, device, debug=debug, prefetch=options.get("prefetch", False))
+            prefetch_group = rig.shared.context.prefetch_group
+            if prefetch_group is not None:  # its own communicator over the same ranks
+                rig.stats["prefetch_group"] = {
+                    "distinct": prefetch_group is not group.device_group,
+                    "size": torch.distributed.get_world_size(prefetch_group)}
+            with _slow_prefetch(options.get("slow_prefetch_rank") == rank):
+                SCENARIOS[name](rig)
             rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
-            result["scenarios"][f"{name}/{dtype_name}/debug={debug}"] = {
-                "errors": rig.errors[:20], "stats": rig.stats}
+            key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
+            result["scenarios"][key] = {"errors": rig.errors[:20], "stats": rig.stats}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["fatal"] = traceback.format_exc()[-4000:]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+
+
+@contextlib.contextmanager
+def _slow_prefetch(slow: bool):
+    """On this rank, each layer-ahead gather is issued only when its layer needs it, 0.2 s
+    late: the other ranks' views of that layer stay incomplete until then, so a rank that
+    read its prefetched view without waiting for it would read missing pages."""
+    if not slow:
+        yield
+        return
+    from sglang_cp_shared_kv.forward import prefetch
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    real = prefetch.gather_mla_history
+
+    class IssuedOnWait:
+        def __init__(self, args, kwargs):
+            self.layer_id, self._call, self._history = args[2], (args, kwargs), None
+
+        def wait(self):
+            time.sleep(0.2)
+            args, kwargs = self._call
+            self._history = real(*args, **{**kwargs, "async_op": False})
+
+        def __getattr__(self, name):  # dense, received: once waited for
+            return getattr(self._history, name)
+
+    def late(*args, async_op=False, **kwargs):
+        return IssuedOnWait(args, kwargs) if async_op else real(*args, **kwargs)
+
+    with attributes_set(prefetch, gather_mla_history=late):
+        yield
 
 
 def init_rank_process(rank: int, n: int, port: int, device: str):

@@ -55,7 +55,9 @@ class Rig:
     """One rank's pools, allocator and request table for one (dtype, debug) config."""
 
     def __init__(self, rank: int, n: int, dtype_name: str, group, device: str, debug: str = "off",
-                 physical_pages: int = 24):
+                 physical_pages: int = 24, prefetch: bool = False):
+        """``group``: SGLang's attention-CP ``GroupCoordinator``; ``prefetch``: gather each
+        layer's MLA history one layer ahead on a second group (``forward.prefetch``)."""
         from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
         from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
@@ -74,6 +76,10 @@ class Rig:
         self.shared = CpSharedNSATokenToKVPool(logical, context=CpSharedKVContext(self.layout), **kwargs)
         self.replicated = NSATokenToKVPool(logical, **kwargs)
         self.allocator = CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, dtype, device, self.shared, True)
+        if prefetch:
+            from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
+
+            self.shared.context.prefetch_group = new_prefetch_group(group)
         self.req_to_token = torch.zeros((MAX_REQS, MAX_LEN), dtype=torch.int32, device=device)
         self.free_slots = list(range(MAX_REQS))
         self.indexer = SimpleNamespace(block_size=128, scale_fmt=None)

@@ -25,6 +25,7 @@ import numpy as np
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, is_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.nvtx import marked
 from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failure_cause
 from sglang_cp_shared_kv.transfer.pages import (
     ChunkPositions,
@@ -247,7 +248,8 @@ class PrefillShardTransfer:
         limit = self.max_descriptors_per_batch
         batches = bounded_batches(transfer_blocks, limit)
         for number, batch in enumerate(batches, 1):
-            ret = original(kv_mgr, mooncake_session_id, batch)
+            with marked("pd:batch"):
+                ret = original(kv_mgr, mooncake_session_id, batch)
             if ret != 0:
                 cause = rejected_batch_cause(ret, number, len(batches), batch, mooncake_session_id, limit)
                 self.write_failures.put(cause)
