@@ -3,20 +3,38 @@
 # (with its kernel package, sgl-kernel/), installed editable. Safe to re-run (pip skips what is satisfied).
 #   scripts/bootstrap.sh          runtime only
 #   scripts/bootstrap.sh test     + pytest, hypothesis and the CPU Mooncake engine
+#                                  (mooncake-transfer-engine-non-cuda; links libibverbs1)
+#   scripts/bootstrap.sh gpu      + the CUDA 13 Mooncake engine for PD serving on GPUs
+#                                  (mooncake-transfer-engine-cuda13; links libibverbs1,
+#                                  libmlx5-1 and libnuma1). torch 2.11 from PyPI is a CUDA 13
+#                                  build; the plain mooncake-transfer-engine wheel links CUDA
+#                                  12 and does not load next to it. Never install the
+#                                  non-cuda and the cuda13 engines into one environment.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-extras=${1:-}
+target=${1:-}
 python=${PYTHON:-python3}
 
-if [ "$extras" = "test" ] && ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
-  # mooncake-transfer-engine-non-cuda links libibverbs even when it only uses TCP.
+case "$target" in
+  "") extras="" ; libs="" ;;
+  test) extras="test" ; libs="libibverbs1:libibverbs.so.1" ;;
+  gpu) extras="pd" ; libs="libibverbs1:libibverbs.so.1 libmlx5-1:libmlx5.so.1 libnuma1:libnuma.so.1" ;;
+  *) echo "bootstrap: unknown target '$target' (use nothing, test or gpu)" >&2; exit 2 ;;
+esac
+
+# The Mooncake engines link system libraries even when they only use TCP.
+missing=""
+for pair in $libs; do
+  ldconfig -p 2>/dev/null | grep -q "${pair#*:}" || missing="$missing ${pair%%:*}"
+done
+if [ -n "$missing" ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "bootstrap: installing libibverbs1 (needed by the CPU Mooncake engine)" >&2
-    apt-get install -y -q libibverbs1 >/dev/null 2>&1 \
-      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libibverbs1 >/dev/null; }
+    echo "bootstrap: installing$missing (needed by the Mooncake engine)" >&2
+    apt-get install -y -q $missing >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $missing >/dev/null; }
   else
-    echo "bootstrap: libibverbs.so.1 is missing; install it (apt-get install libibverbs1)" >&2
+    echo "bootstrap: missing system libraries:$missing; install them (apt-get install$missing)" >&2
     exit 1
   fi
 fi

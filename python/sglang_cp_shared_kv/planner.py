@@ -52,6 +52,9 @@ class CapacityPlan:
     index_bytes_per_rank: int
     logical_tokens: int
     replicated_logical_tokens: int
+    #: KV (MLA + index) a decode GPU needs to hold one request of ``logical_tokens``: a
+    #: non-CP decode keeps a request's whole KV on every GPU of its attention TP group.
+    decode_kv_bytes_for_logical_tokens: int
     request: Optional[RequestPlan]
 
     @property
@@ -118,6 +121,7 @@ def plan_capacity(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, *,
         raise ValueError(f"context length must be >= 1, got {context_len}")
     logical = logical_tokens_for(physical, PAGE_SIZE, cp_size)
     mla, index = shape.pool_bytes(physical, dtype, PAGE_SIZE)
+    decode_mla, decode_index = shape.pool_bytes(logical, dtype, PAGE_SIZE)
     return CapacityPlan(
         model=shape.name,
         num_layers=shape.num_layers,
@@ -133,6 +137,7 @@ def plan_capacity(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, *,
         index_bytes_per_rank=index,
         logical_tokens=logical,
         replicated_logical_tokens=physical,
+        decode_kv_bytes_for_logical_tokens=decode_mla + decode_index,
         request=None if context_len is None else plan_request(
             shape, cp_size, dtype, logical, physical, context_len),
     )
@@ -156,6 +161,9 @@ def format_plan(plan: CapacityPlan) -> str:
         f"(MLA {_gib(plan.mla_bytes_per_rank)} + index {_gib(plan.index_bytes_per_rank)}; unchanged by the flag)",
         f"logical_tokens             {plan.logical_tokens:,}   "
         f"(replicated CP exposes {plan.replicated_logical_tokens:,})",
+        f"decode KV per GPU          {_gib(plan.decode_kv_bytes_for_logical_tokens)} for one prompt of all "
+        f"{plan.logical_tokens:,} tokens (the longest this group admits unless --context-length is lower; "
+        f"a non-CP decode holds a whole request per GPU)",
     ]
     req = plan.request
     if req is not None:
@@ -165,7 +173,8 @@ def format_plan(plan: CapacityPlan) -> str:
             f"fits shared: {'yes' if req.fits_shared else 'no'}",
             f"materialize scratch/layer  MLA {_mib(req.scratch_mla_bytes_per_layer)} + index "
             f"{_mib(req.scratch_index_bytes_per_layer)} ({plan.cp_size} x {req.scratch_pages_per_rank:,} padded pages)",
-            f"PD send, replicated        {_gib(req.pd_bytes_replicated)} from one sender",
+            f"PD send, replicated        {_gib(req.pd_bytes_replicated)} from one sender "
+            f"(decode holds the same per GPU for this request)",
         ]
         for send in req.pd_send_per_rank:
             lines.append(

@@ -28,6 +28,7 @@ HOOKS = (
     HookSpec(f"{_SERVER_ARGS}.__init__", server_args.init_accepting_flag, "around"),
     HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_flag_to_parser, "after"),
     HookSpec(f"{_SERVER_ARGS}.from_cli_args", server_args.from_cli_args_with_flag, "around"),
+    HookSpec(f"{_SERVER_ARGS}._set_default_nsa_backends", server_args.nsa_backends_for_in_seq_split, "around"),
     HookSpec(f"{_SERVER_ARGS}.check_server_args", server_args.validate_after_stock_checks, "after"),
     HookSpec(f"{_KV_MIXIN}._resolve_memory_pool_config", capacity.split_capacity, "after"),
     HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),

@@ -1,12 +1,17 @@
 """The ``--enable-nsa-prefill-cp-shared-kv`` flag on SGLang's ``ServerArgs`` and its validation.
 
 The flag is not a dataclass field of ``ServerArgs`` (we do not fork it); it is an
-instance attribute, carried by four hooks:
+instance attribute, carried by five hooks:
 
 * ``ServerArgs.__init__`` AROUND: accepts ``enable_nsa_prefill_cp_shared_kv=`` like any
-  other server arg (``sglang.Engine(..., enable_nsa_prefill_cp_shared_kv=True)``);
+  other server arg (``sglang.Engine(..., enable_nsa_prefill_cp_shared_kv=True)``), or the
+  value ``from_cli_args`` is parsing;
 * ``ServerArgs.add_cli_args`` AFTER: adds the CLI flag (``--help``, ``--config`` YAML);
-* ``ServerArgs.from_cli_args`` AROUND: copies the parsed value onto the instance;
+* ``ServerArgs.from_cli_args`` AROUND: hands the parsed value to ``__init__`` (so
+  ``__post_init__`` sees it) and sets it on the instance;
+* ``ServerArgs._set_default_nsa_backends`` AROUND: with the flag, fp8 KV and in-seq-split
+  CP, the NSA backends SGLang would default to ``flashmla_kv`` (which crashes there in
+  stock SGLang 0.5.12) become ``flashmla_sparse``, logged;
 * ``ServerArgs.check_server_args`` AFTER: validates, after SGLang's own checks, in the
   main process. The scheduler processes re-validate before building the pool
   (:mod:`sglang_cp_shared_kv.capacity`).
@@ -17,6 +22,7 @@ The attribute survives pickling into the scheduler processes (``ServerArgs`` has
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from typing import Any, List, Optional
 
@@ -41,6 +47,15 @@ _ALL_CP_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 # the backend's page tables (trtllm keeps its own layout; aiter is ROCm).
 SUPPORTED_NSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "fa3", "tilelang")
 _STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+# NOTE: stock SGLang 0.5.12.post1 picks flashmla_kv for fp8_e4m3 KV on Hopper; with
+# in-seq-split CP2 it fails at the first prefill ("RuntimeError: num_splits must have shape
+# (b+1)", flag off too), while flashmla_sparse for both serves it (two H200s, 2026-11-30).
+FP8_IN_SEQ_SPLIT_CRASHING_BACKEND = "flashmla_kv"
+FP8_IN_SEQ_SPLIT_BACKEND = "flashmla_sparse"
+_NSA_BACKEND_SIDES = ("prefill", "decode")
+#: The flag value ``from_cli_args`` is building a ``ServerArgs`` for (its ``cls(**fields)``
+#: passes dataclass fields only, and ``__post_init__`` already needs the flag).
+_CLI_FLAG_VALUE: "contextvars.ContextVar[bool]" = contextvars.ContextVar("cp_shared_kv_cli_flag", default=False)
 
 
 class CpSharedKVConfigError(ValueError):
@@ -50,7 +65,7 @@ class CpSharedKVConfigError(ValueError):
 # ----------------------------------------------------------------------------- hooks
 def init_accepting_flag(original, self, *args, **kwargs):
     """AROUND ``ServerArgs.__init__``: accept the flag as a keyword argument."""
-    setattr(self, FLAG_DEST, bool(kwargs.pop(FLAG_DEST, False)))
+    setattr(self, FLAG_DEST, bool(kwargs.pop(FLAG_DEST, _CLI_FLAG_VALUE.get())))
     return original(self, *args, **kwargs)
 
 
@@ -62,9 +77,39 @@ def add_flag_to_parser(result, parser, *args, **kwargs):
 
 def from_cli_args_with_flag(original, cls, args, *rest, **kwargs):
     """AROUND ``ServerArgs.from_cli_args``: ``from_cli_args`` keeps dataclass fields only."""
-    server_args = original(cls, args, *rest, **kwargs)
-    setattr(server_args, FLAG_DEST, bool(getattr(args, FLAG_DEST, False)))
+    value = bool(getattr(args, FLAG_DEST, False))
+    token = _CLI_FLAG_VALUE.set(value)
+    try:
+        server_args = original(cls, args, *rest, **kwargs)
+    finally:
+        _CLI_FLAG_VALUE.reset(token)
+    setattr(server_args, FLAG_DEST, value)
     return server_args
+
+
+def nsa_backends_for_in_seq_split(original, self, kv_cache_dtype, *args, **kwargs):
+    """AROUND ``ServerArgs._set_default_nsa_backends``: under the flag, with fp8 KV and
+    in-seq-split CP, an NSA backend the user left unset and SGLang defaults to
+    ``flashmla_kv`` becomes ``flashmla_sparse`` (one WARNING; SGLang just logged its pick).
+    Flag off, or a backend the user chose: SGLang's choice stands (validation refuses a
+    chosen ``flashmla_kv`` with the fix)."""
+    user_set = {side: getattr(self, f"nsa_{side}_backend", None) is not None for side in _NSA_BACKEND_SIDES}
+    result = original(self, kv_cache_dtype, *args, **kwargs)
+    if not (is_enabled(self) and kv_cache_dtype == "fp8_e4m3" and self.enable_nsa_prefill_context_parallel
+            and self.nsa_prefill_cp_mode == "in-seq-split"):
+        return result
+    changed = []
+    for side in _NSA_BACKEND_SIDES:
+        attr = f"nsa_{side}_backend"
+        if not user_set[side] and getattr(self, attr) == FP8_IN_SEQ_SPLIT_CRASHING_BACKEND:
+            setattr(self, attr, FP8_IN_SEQ_SPLIT_BACKEND)
+            changed.append(f"--nsa-{side}-backend {FP8_IN_SEQ_SPLIT_BACKEND}")
+    if changed:
+        logger.warning("%s: fp8_e4m3 KV with in-seq-split CP: using %s instead of SGLang's default %s "
+                       "(which fails there in SGLang 0.5.12: \"num_splits must have shape (b+1)\"); set the "
+                       "backends explicitly to silence this.", FLAG, " ".join(changed),
+                       FP8_IN_SEQ_SPLIT_CRASHING_BACKEND)
+    return result
 
 
 def validate_after_stock_checks(result, server_args, *args, **kwargs):
@@ -136,6 +181,14 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse(f"--nsa-prefill-backend {prefill_backend}",
                "its KV reads bypass the dense view shared KV materializes; use one of "
                f"{', '.join(SUPPORTED_NSA_PREFILL_BACKENDS)} (the Hopper defaults are supported).")
+    if server_args.kv_cache_dtype == "fp8_e4m3" and server_args.nsa_prefill_cp_mode == "in-seq-split":
+        chosen = [f"--nsa-{side}-backend {FP8_IN_SEQ_SPLIT_CRASHING_BACKEND}" for side in _NSA_BACKEND_SIDES
+                  if getattr(server_args, f"nsa_{side}_backend", None) == FP8_IN_SEQ_SPLIT_CRASHING_BACKEND]
+        if chosen:
+            refuse(" ".join(chosen) + " with --kv-cache-dtype fp8_e4m3",
+                   "SGLang 0.5.12 fails on it with in-seq-split CP (\"num_splits must have shape (b+1)\"); "
+                   f"set --nsa-prefill-backend {FP8_IN_SEQ_SPLIT_BACKEND} --nsa-decode-backend "
+                   f"{FP8_IN_SEQ_SPLIT_BACKEND}, or leave both unset and the plugin picks them.")
     testing_without_pd = server_args.disaggregation_mode == "null" and testing_non_pd_allowed()
     if server_args.disaggregation_mode != "prefill" and not testing_without_pd:
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",

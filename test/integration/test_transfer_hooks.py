@@ -226,7 +226,7 @@ def test_enqueue_passes_owned_pages_and_translates_the_index_state_in_place():
 
 def test_a_chunk_the_rank_owns_nothing_of_is_not_enqueued_unless_it_is_the_last():
     mgr = make_manager(cp_size=4, cp_rank=3)
-    ready_room(mgr, 8, dst_pages=list(range(100, 110)))
+    ready_room(mgr, 8, dst_pages=list(range(100, 103)))
     for last in (False, True):
         physical, positions = transfer.filter_owned_pages(Recorder(), mgr, np.array([1, 2, 3], np.int32), slice(0, 3))
         assert physical.size == 0
@@ -251,6 +251,8 @@ def _rejected(mgr, room, chunk_pages, index_slice, state=None, last=True):
     ("physical page beyond the pool", "physical KV page 11 is outside this rank's registered pages [1, 11)"),
     ("dummy page in the index state", "NSA index page list holds page 0"),
     ("hisparse decode", "runs HiSparse"),
+    ("a refused prompt's one-token stand-in", "the request ends at page 1 on prefill but decode 127.0.0.1:5555 "
+                                              "preallocated 4 pages"),
 ])
 def test_rejected_before_enqueueing_and_reported_through_sglangs_worker(case, expected):
     mgr = make_manager(cp_size=2, cp_rank=0, physical_pages=10)
@@ -266,6 +268,8 @@ def test_rejected_before_enqueueing_and_reported_through_sglangs_worker(case, ex
         state = [np.array([1, 2, 0, 4])]
     elif case == "hisparse decode":
         mgr.decode_kv_args_table[info.mooncake_session_id].enable_hisparse = True
+    elif case == "a refused prompt's one-token stand-in":
+        chunk, state = [1], [np.array([1])]
     original = _rejected(mgr, 9, chunk, slice(0, len(chunk)), state)
     # SGLang's worker gets one empty last chunk, so it reports the failure to decode itself
     (args, kwargs), = original.calls

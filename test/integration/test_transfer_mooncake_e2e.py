@@ -18,7 +18,8 @@ all); 80 pages x 61 layers on N = 2 (2,440 descriptors per rank per write); on N
 (each rank's pages of a chunk in at most two runs). Failures: decode
 preallocates fewer pages than the request has (rejected before enqueueing); on the low lane,
 batches sized to it pass, an index write it rejects and a KV write it rejects fail the
-request on both sides with the cause; prefill rank 3 of S4 SIGKILLs itself after its first
+request on both sides with the cause; a prompt the prefill refused (stock SGLang sends a
+one-token stand-in: decode completes it flag off, fails it flag on); prefill rank 3 of S4 SIGKILLs itself after its first
 chunk was written (decode fails within its waiting timeout, no hang).
 """
 
@@ -43,6 +44,7 @@ LAYERS = rig.TEST_GEOMETRY.layers
 LANE_LIMIT = 64  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and ..._PENDING_ADMISSIONS_... in L1
 KILL_TIMEOUT_S = 6  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT for the killed-rank request
 MAIN_PROCS = ["P0", "P1", "P2", "P3"]
+REFUSED_INSTANCES = ("R1", "R2", "S2", "S3")
 
 # (name, seq_len, chunk ends, decode prefix pages, logical page order, decode page order)
 SCENARIOS = [
@@ -110,6 +112,11 @@ def build_plan():
         add(f"{pair}/S{n}", f"S{n}", seq_len, ends, 0, logical, "contiguous", 20 + n, pair=pair)
     add("decode-preallocated-too-few-pages/S2", "S2", 20 * PAGE, [20 * PAGE], 0, np.arange(1, 21), "contiguous",
         8, decode_short_by=2, expect="failed")
+    # Prefill refused the prompt and sent SGLang's one-token stand-in; decode preallocated
+    # all 30 pages. Stock (R1, R2) completes it; the flag (S2, S3) fails it on both sides.
+    for instance in REFUSED_INSTANCES:
+        add(f"prefill-refused-prompt/{instance}", instance, 30 * PAGE, [30 * PAGE], 0, np.arange(1, 31),
+            "contiguous", 11, prefill_refused=True, expect="stock" if instance.startswith("R") else "failed")
     # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
     # 64-entry lane) and its index batch 26 pages x 61 layers.
     lane_pages = np.arange(1, 53)
@@ -277,6 +284,31 @@ def test_positions_outside_decode_pages_are_rejected_before_enqueueing(pd_run):
     for rank, result in _ranks(pd_run, name).items():
         assert result["status"] == "failed" and "rejected room" in result["error"], result
         assert result["stats"]["rejected_requests"] == 1 and result["stats"]["write_batches"] <= 1
+
+
+def test_stock_decode_answers_a_prompt_its_prefill_refused(pd_run):
+    """The stock bug, reproduced with SGLang's own classes (flag off, with and without CP):
+    the prefill's one-token stand-in concludes as Success on decode, which then holds 29
+    of the prompt's 30 pages as it preallocated them -- never written."""
+    for instance in ("R1", "R2"):
+        name = f"prefill-refused-prompt/{instance}"
+        decode = _decode(pd_run, name)
+        assert decode["status"] == "success" and not decode["verified"], _context(pd_run, name)
+        assert all(r["status"] == "success" for r in _ranks(pd_run, name).values())
+
+
+def test_flag_fails_a_prompt_its_prefill_refused_on_both_sides(pd_run):
+    """With the flag every rank rejects the stand-in's last chunk (it ends at page 1, decode
+    preallocated 30): decode fails promptly, naming the cause, and nothing was written."""
+    for instance in ("S2", "S3"):
+        name = f"prefill-refused-prompt/{instance}"
+        decode = _decode(pd_run, name)
+        assert decode["status"] == "failed" and decode["elapsed_s"] < 10, _context(pd_run, name)
+        assert "the request ends at page 1 on prefill but decode" in decode["error"], decode
+        assert "preallocated 30 pages" in decode["error"], decode
+        for rank, result in _ranks(pd_run, name).items():
+            assert result["status"] == "failed" and "rejected room" in result["error"], (rank, result)
+            assert result["stats"]["rejected_requests"] == 1 and result["stats"]["kv_descriptors"] == 0, result
 
 
 def test_lane_limit_sized_batches_pass(pd_run):

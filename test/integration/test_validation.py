@@ -35,6 +35,9 @@ REFUSALS = {
                               "--enable-return-routed-experts", "Remove the option"),
     "return_indexer_topk": ({"enable_return_indexer_topk": True}, {}, {},
                             "--enable-return-indexer-topk", "Remove the option"),
+    "fp8_flashmla_kv_chosen": ({"kv_cache_dtype": "fp8_e4m3", "nsa_prefill_backend": "flashmla_kv"}, {}, {},
+                               "--nsa-prefill-backend flashmla_kv with --kv-cache-dtype fp8_e4m3",
+                               "set --nsa-prefill-backend flashmla_sparse --nsa-decode-backend flashmla_sparse"),
     "prefill_only_no_kv_cache": ({}, {"prefill_only_disable_kv_cache": True}, {},
                                  "--prefill-only-disable-kv-cache", "remove --prefill-only-disable-kv-cache"),
 }
@@ -118,3 +121,47 @@ def test_a_broken_install_without_the_kernel_package_is_refused(tiny_nsa_model, 
         server_args.check_server_args()
     problem = next(line for line in str(exc.value).splitlines() if "the plugin installation" in line)
     assert "sglang_cp_shared_kv_kernel does not import" in problem and "reinstall the plugin" in problem
+
+
+def test_troubleshooting_names_every_refusal():
+    """docs/troubleshooting.md has a row for every setting startup can refuse."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md").read_text()
+    for case, (_, _, _, setting, _) in REFUSALS.items():
+        head = setting.split(" ")[0]  # "--page-size 32" -> "--page-size"
+        assert f"`{head}" in text, (case, head)
+
+
+# ------------------------------------------- fp8 KV with in-seq-split: the NSA backends
+def _backends(server_args):
+    return server_args.nsa_prefill_backend, server_args.nsa_decode_backend
+
+
+def test_fp8_in_seq_split_picks_the_backends_that_work(tiny_nsa_model, caplog):
+    """SGLang's Hopper default for fp8 KV (flashmla_kv) fails with in-seq-split CP; under
+    the flag, backends the user left unset become flashmla_sparse, with one WARNING."""
+    from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+    with caplog.at_level("WARNING", logger="sglang_cp_shared_kv.server_args"):
+        engine_style = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="fp8_e4m3"))
+    assert _backends(engine_style) == ("flashmla_sparse", "flashmla_sparse")
+    assert "instead of SGLang's default flashmla_kv" in caplog.text
+    engine_style.check_server_args()
+    cli = prepare_server_args([
+        "--model-path", tiny_nsa_model, "--skip-tokenizer-init", "--device", "cuda", "--tp-size", "2",
+        "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+        "--disaggregation-mode", "prefill", "--kv-cache-dtype", "fp8_e4m3", FLAG])
+    assert _backends(cli) == ("flashmla_sparse", "flashmla_sparse")
+
+
+def test_fp8_backend_defaults_stay_stock_without_the_flag_or_when_chosen(tiny_nsa_model):
+    from sglang.srt.server_args import ServerArgs
+
+    off = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="fp8_e4m3",
+                                        enable_nsa_prefill_cp_shared_kv=False))
+    assert _backends(off) == ("flashmla_kv", "flashmla_kv")  # stock, crash and all
+    bf16 = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="bfloat16"))
+    assert _backends(bf16) == ("flashmla_sparse", "fa3")  # SGLang's Hopper bf16 defaults
+    chosen = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="fp8_e4m3", nsa_decode_backend="fa3"))
+    assert _backends(chosen) == ("flashmla_sparse", "fa3")  # only the unset side changes

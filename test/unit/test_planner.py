@@ -10,7 +10,7 @@ import pytest
 
 from sglang_cp_shared_kv.__main__ import main
 from sglang_cp_shared_kv.kv_geometry import BUNDLED_CONFIG_DIR, GIB, ModelConfigError, NsaModelShape
-from sglang_cp_shared_kv.planner import pages_owned_per_rank, plan_capacity
+from sglang_cp_shared_kv.planner import format_plan, pages_owned_per_rank, plan_capacity
 
 GLM5 = NsaModelShape.load("glm-5")
 DSV32 = NsaModelShape.load("deepseek-v3.2")
@@ -33,6 +33,16 @@ def test_user_cp8_case():
     assert plan.logical_tokens == 1_898_496
     assert round(plan.kv_gb_per_rank, 2) == 22.14
     assert plan.replicated_logical_tokens == 237_312
+
+
+def test_decode_must_hold_the_whole_logical_request():
+    """A non-CP decode GPU keeps a request's whole KV: 8 x the rank's pool, minus the 7
+    dummy pages 8 separate pools would have had."""
+    plan = plan_capacity(GLM5, 8, "bf16", kv_tokens_per_rank=237_312)
+    per_token = (1152 + 132) * 78
+    assert plan.decode_kv_bytes_for_logical_tokens == (1_898_496 + 64) * per_token
+    assert plan.decode_kv_bytes_for_logical_tokens == 8 * plan.kv_bytes_per_rank - 7 * 64 * per_token
+    assert "decode KV per GPU          177.09 GB for one prompt of all 1,898,496 tokens" in format_plan(plan)
 
 
 def test_gb_sizing_inverts_token_sizing():

@@ -115,6 +115,27 @@ def test_a_sendable_chunk_has_no_problem():
     assert physical.size == 0 and chunk_problem(physical, positions, 11, [Destination("d:1", 1)]) is None
 
 
+def test_a_last_chunk_must_end_where_decode_pages_end():
+    """Stock prefill sends a refused prompt's one-token stand-in as a complete request;
+    decode preallocated the whole prompt and would answer from pages nobody sent."""
+    physical, positions = _owned(pages=[7])  # the stand-in: one page at position 0
+    assert positions.chunk_end == 1
+    whole_prompt = Destination("127.0.0.1:5555", pages=172)
+    problem = chunk_problem(physical, positions, 11, [whole_prompt], is_last_chunk=True)
+    assert "the request ends at page 1 on prefill but decode 127.0.0.1:5555 preallocated 172 pages" in problem
+    assert "refused the prompt" in problem
+    # Not the last chunk: the request goes on, nothing to say yet.
+    assert chunk_problem(physical, positions, 11, [whole_prompt]) is None
+    # A last chunk ending exactly at decode's end, owned or not by this rank.
+    for rank in (0, 1):
+        physical, positions = _owned(rank=rank, pages=[1, 2, 3, 4], start=168)
+        assert positions.chunk_end == 172
+        assert chunk_problem(physical, positions, 11, [whole_prompt], is_last_chunk=True) is None
+    # An empty last chunk (everything already sent) ends where the previous one did.
+    physical, positions = _owned(pages=[], start=172)
+    assert chunk_problem(physical, positions, 11, [whole_prompt], is_last_chunk=True) is None
+
+
 def test_kv_descriptors_count_runs_on_decode():
     physical, positions = _owned(rank=1, cp_size=2, pages=[5, 6, 7, 8, 9, 10])  # owns 6, 8, 10
     assert kv_descriptors(physical, positions, [50, 51, 52, 53, 54, 55], layers=3) == 3 * 3

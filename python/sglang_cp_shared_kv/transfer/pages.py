@@ -30,8 +30,9 @@ class CpSharedKVTransferError(RuntimeError):
 # ------------------------------------------------------------------ KV chunks
 class ChunkPositions(np.ndarray):
     """The request positions (int64) of the pages of one chunk this rank sends, and what
-    the filter saw of the chunk: ``chunk_pages`` (all its pages, owned or not) and
-    ``problem`` (why it cannot be sent; None when it can).
+    the filter saw of the chunk: ``chunk_pages`` (all its pages, owned or not),
+    ``chunk_end`` (the request position just past its last page: where the request ends
+    when this is its last chunk) and ``problem`` (why it cannot be sent; None when it can).
 
     The filter returns it as SGLang's ``index_slice``; ``MooncakeKVSender.send`` hands it
     unchanged to ``add_transfer_request`` (where the enqueue hook reads ``chunk_pages`` and
@@ -41,16 +42,18 @@ class ChunkPositions(np.ndarray):
     """
 
     chunk_pages: int
+    chunk_end: int
     problem: Optional[str]
 
     @classmethod
-    def of(cls, positions, chunk_pages: int, problem: Optional[str] = None) -> "ChunkPositions":
+    def of(cls, positions, chunk_pages: int, chunk_end: int, problem: Optional[str] = None) -> "ChunkPositions":
         out = np.asarray(positions, dtype=np.int64).view(cls)
-        out.chunk_pages, out.problem = int(chunk_pages), problem
+        out.chunk_pages, out.chunk_end, out.problem = int(chunk_pages), int(chunk_end), problem
         return out
 
     def __array_finalize__(self, obj) -> None:
         self.chunk_pages = getattr(obj, "chunk_pages", 0)
+        self.chunk_end = getattr(obj, "chunk_end", 0)
         self.problem = getattr(obj, "problem", None)
 
 
@@ -68,9 +71,9 @@ def filter_chunk(layout: CpSharedKVLayout, logical_pages, index_slice: slice) ->
         problem = (f"the chunk's page table holds page {int(logical.min())} (the dummy "
                    "page or below); no CP rank owns it, so decode would miss that page")
     if problem:
-        return np.empty(0, dtype=np.int32), ChunkPositions.of(np.empty(0), logical.size, problem)
+        return np.empty(0, dtype=np.int32), ChunkPositions.of(np.empty(0), logical.size, index_slice.stop, problem)
     physical, owned = layout.filter_owned_pages_np(logical, positions)
-    return physical.astype(np.int32), ChunkPositions.of(owned, logical.size)
+    return physical.astype(np.int32), ChunkPositions.of(owned, logical.size, index_slice.stop)
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,16 @@ class Destination:
 
 
 def chunk_problem(physical_pages, positions, kv_buffer_pages: int,
-                  destinations: Iterable[Destination]) -> Optional[str]:
+                  destinations: Iterable[Destination], is_last_chunk: bool = False) -> Optional[str]:
     """Why this rank must not enqueue a chunk (``physical_pages`` at ``positions``, as
-    :func:`filter_chunk` returned them) for ``destinations``; None when it may."""
+    :func:`filter_chunk` returned them) for ``destinations``; None when it may.
+
+    A last chunk must end exactly where decode's preallocated pages end: decode treats the
+    request as complete once every rank's last chunk and the aux data arrived, and would
+    decode from any page after the end that no rank sent. That happens when prefill and
+    decode hold different prompts -- stock SGLang's refused prefill (input over
+    ``max_req_input_len``) runs and sends a one-token stand-in (``Req.set_finish_with_abort``)
+    while decode preallocated the whole prompt."""
     if not isinstance(positions, np.ndarray):
         return (f"the chunk arrived with a page range ({positions!r}) instead of page positions: the "
                 f"shared-KV page filter did not run (is SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1?)")
@@ -109,6 +119,13 @@ def chunk_problem(physical_pages, positions, kv_buffer_pages: int,
             return (f"page position {int(positions.max())} is outside the {dst.pages} "
                     f"pages decode {dst.name} preallocated (positions count from "
                     "the decode prefix)")
+        end = getattr(positions, "chunk_end", None)
+        if is_last_chunk and end is not None and end != dst.pages:
+            return (f"the request ends at page {end} on prefill but decode {dst.name} preallocated "
+                    f"{dst.pages} pages for it (both count from the decode prefix): prefill and decode "
+                    "hold different prompts, so decode would answer from pages nobody sent -- e.g. the "
+                    "prefill refused the prompt (\"Input length ... exceeds the maximum allowed "
+                    "length\") and ran a one-token stand-in, or the two servers got different inputs")
     return None
 
 

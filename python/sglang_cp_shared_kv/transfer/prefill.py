@@ -170,7 +170,8 @@ class PrefillShardTransfer:
             return original(kv_mgr, room, kv_indices, index_slice, is_last_chunk,
                             aux_index=aux_index, state_indices=state_indices)
         physical_pages, positions = kv_indices, index_slice
-        problem = chunk_problem(physical_pages, positions, self.kv_buffer_pages, self._destinations(kv_mgr, room))
+        problem = chunk_problem(physical_pages, positions, self.kv_buffer_pages, self._destinations(kv_mgr, room),
+                                is_last_chunk=bool(is_last_chunk))
         if problem is None and is_last_chunk and state_indices:
             problem = self.own_state_pages_in_place(state_indices)
         if problem is not None:

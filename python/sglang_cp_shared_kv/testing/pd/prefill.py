@@ -7,7 +7,8 @@ content (only the pages this rank owns, with shared KV; or sending what a given 
 already holds, ``room["content"] == "pool"``), and sending a room the way
 SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` per chunk), optionally killing
-this process mid-transfer when the plan asks.
+this process mid-transfer or sending what stock SGLang sends for a prompt its prefill
+refused (``room["prefill_refused"]``) when the plan asks.
 """
 
 from __future__ import annotations
@@ -133,6 +134,13 @@ class PrefillInstance:
             output_ids=[room["first_token"]], req_pool_idx=0, start_send_idx=0, metadata_buffer_index=None,
             disagg_kv_sender=sender, cached_tokens=0, cached_tokens_device=0, cached_tokens_host=0,
             cached_tokens_storage=0, return_logprob=False, hidden_states_tensor=None)
+        ends = room["chunk_ends"]
+        if room.get("prefill_refused"):
+            # What stock SGLang's prefill makes of a prompt it refuses (over max_req_input_len):
+            # Req.set_finish_with_abort keeps the request but replaces its prompt by one token
+            # (schedule_batch.py, "set it to one token to skip the long prefill"), which is
+            # then prefilled and sent to decode as a complete request.
+            req.origin_input_ids, req.return_logprob, ends = [0], False, [1]
         req.fill_ids = req.origin_input_ids
         status = poll_until(sender.poll, (KVPoll.WaitingForInput, KVPoll.Failed), 100,
                             f"room {room['room']} to leave Bootstrapping")
@@ -142,11 +150,10 @@ class PrefillInstance:
         if status == KVPoll.WaitingForInput:
             # What PrefillBootstrapQueue.pop_bootstrapped does once decode is ready.
             req.start_send_idx = sender.pop_decode_prefix_len()
-            num_pages = kv_to_page_num(room["seq_len"] - req.start_send_idx, PAGE_SIZE)
+            num_pages = kv_to_page_num(len(req.origin_input_ids) - req.start_send_idx, PAGE_SIZE)
             req.metadata_buffer_index = room["aux_slot"]
             sender.init(num_pages, req.metadata_buffer_index)
             kill = room.get("kill") or {}
-            ends = room["chunk_ends"]
             first_send = time.time()
             for number, end in enumerate(ends, 1):
                 last = number == len(ends)

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Launch one node of a shared-KV prefill server (NSA model, in-seq-split CP, PD prefill,
+# Mooncake). Prints the exact command (with its environment) before running it.
+#
+#   scripts/launch_prefill.sh --model deepseek-ai/DeepSeek-V3.2 --cp-size 8
+#   scripts/launch_prefill.sh --model zai-org/GLM-5-FP8 --cp-size 16 --nnodes 2 --node-rank 0 \
+#       --dist-init-addr 10.0.0.1:5000 --ib-device mlx5_0,mlx5_1 --kv-cache-dtype fp8_e4m3
+#
+# Options (defaults in brackets):
+#   --model PATH            model path or Hugging Face id (required)
+#   --cp-size N             prefill CP size = --tp-size over all nodes (required, >= 2)
+#   --host H [0.0.0.0]      HTTP host;  --port P [30000] HTTP port
+#   --bootstrap-port P [8998]  Mooncake bootstrap port (decode and the router use it)
+#   --nnodes N [1] --node-rank R [0] --dist-init-addr HOST:PORT (required when nnodes > 1)
+#   --ib-device DEVS        RDMA devices for Mooncake (e.g. mlx5_0,mlx5_1); none: TCP fallback
+#   --kv-cache-dtype D [bfloat16]  bfloat16 or fp8_e4m3; decode must use the same
+#   --mem-fraction-static F [0.8]  --context-length N (default: the model's)
+#   --base-gpu-id G [0]     first GPU (to share a node with decode in a test pair)
+#   --off                   the same server without shared KV (stock replicated CP)
+#   --dry-run               print the command, do not run it
+#   -- ARGS...              passed to sglang.launch_server unchanged
+set -euo pipefail
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+
+model="" cp_size="" host=0.0.0.0 port=30000 bootstrap_port=8998 nnodes=1 node_rank=0
+dist_init_addr="" ib_device="" kv_dtype=bfloat16 mem_fraction=0.8 context_length="" base_gpu=0
+shared=1 dry_run=0 extra=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --model) model=$2; shift 2 ;;
+    --cp-size) cp_size=$2; shift 2 ;;
+    --host) host=$2; shift 2 ;;
+    --port) port=$2; shift 2 ;;
+    --bootstrap-port) bootstrap_port=$2; shift 2 ;;
+    --nnodes) nnodes=$2; shift 2 ;;
+    --node-rank) node_rank=$2; shift 2 ;;
+    --dist-init-addr) dist_init_addr=$2; shift 2 ;;
+    --ib-device) ib_device=$2; shift 2 ;;
+    --kv-cache-dtype) kv_dtype=$2; shift 2 ;;
+    --mem-fraction-static) mem_fraction=$2; shift 2 ;;
+    --context-length) context_length=$2; shift 2 ;;
+    --base-gpu-id) base_gpu=$2; shift 2 ;;
+    --off) shared=0; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    -h|--help) usage 0 ;;
+    --) shift; extra=("$@"); break ;;
+    *) echo "launch_prefill: unknown option '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ -n "$model" ] || { echo "launch_prefill: --model is required" >&2; exit 2; }
+case "$cp_size" in ''|*[!0-9]*) echo "launch_prefill: --cp-size N (an integer >= 2) is required" >&2; exit 2 ;; esac
+[ "$cp_size" -ge 2 ] || { echo "launch_prefill: --cp-size must be >= 2 (one rank has nothing to shard)" >&2; exit 2; }
+if [ "$nnodes" -gt 1 ] && [ -z "$dist_init_addr" ]; then
+  echo "launch_prefill: --dist-init-addr HOST:PORT is required with --nnodes $nnodes" >&2; exit 2
+fi
+
+python=${PYTHON:-python3}
+# Every CP rank sends its own pages; decode must be told to wait for all of them (set it there too).
+env_vars=(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1)
+cmd=("$python" -m sglang.launch_server --model-path "$model" --trust-remote-code
+     --tp-size "$cp_size" --enable-nsa-prefill-context-parallel --nsa-prefill-cp-mode in-seq-split
+     --disaggregation-mode prefill --disaggregation-transfer-backend mooncake
+     --disaggregation-bootstrap-port "$bootstrap_port" --kv-cache-dtype "$kv_dtype"
+     --mem-fraction-static "$mem_fraction" --host "$host" --port "$port" --base-gpu-id "$base_gpu"
+     --enable-metrics)
+[ "$nnodes" -gt 1 ] && cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --dist-init-addr "$dist_init_addr")
+[ -n "$ib_device" ] && cmd+=(--disaggregation-ib-device "$ib_device")
+[ -n "$context_length" ] && cmd+=(--context-length "$context_length")
+[ "$shared" = 1 ] && cmd+=(--enable-nsa-prefill-cp-shared-kv)
+cmd+=("${extra[@]}")
+
+printf '%s \\\n  ' "${env_vars[@]}" && printf '%q ' "${cmd[@]}" && printf '\n'
+[ "$dry_run" = 1 ] && exit 0
+exec env "${env_vars[@]}" "${cmd[@]}"
