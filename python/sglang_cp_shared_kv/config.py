@@ -7,7 +7,9 @@
 * ``SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS`` tunes the PD transfer batch size;
 * ``SGLANG_CP_SHARED_KV_PREFETCH=1`` gathers each layer's MLA history one layer ahead
   (phase 8; off by default until it is measured on multi-GPU NCCL);
-* ``SGLANG_CP_SHARED_KV_NVTX=1`` marks the plugin's work with NVTX ranges (Nsight Systems);
+* ``SGLANG_CP_SHARED_KV_NVTX=1`` marks the plugin's work with NVTX ranges (Nsight Systems)
+  and times each stage (``stage_timer.py``; ``SGLANG_CP_SHARED_KV_TIMING_DIR`` names where
+  each rank writes the figures);
 * ``SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD`` is for end-to-end tests only.
 """
 

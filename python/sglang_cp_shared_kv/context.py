@@ -13,8 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from sglang_cp_shared_kv.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.stage_timer import StageTimer
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,11 @@ class CpSharedKVContext:
     #: the second process group over the CP ranks that carries the one-layer-ahead MLA
     #: history gathers (``forward.prefetch``); None: prefetch off
     prefetch_group: Optional[object] = None
+    #: time per stage of this rank's work (``SGLANG_CP_SHARED_KV_NVTX=1`` at startup); None: off
+    stage_timer: Optional[StageTimer] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, CpSharedKVLayout):
             raise TypeError(f"CpSharedKVContext needs a CpSharedKVLayout, got {type(self.layout).__name__}")
+        if self.stage_timer is None and nvtx_enabled():
+            self.stage_timer = StageTimer.from_env(self.layout.cp_rank)

@@ -4,7 +4,8 @@ returns a shared no-op context: no range is pushed, no CUDA call is made.
 
 Ranges (all named ``cp_shared_kv:<what>``): ``batch_state``, ``owner_write``,
 ``materialize:pack+gather``, ``materialize:chunk``, ``prefetch:issue``, ``prefetch:wait``,
-``pd:batch``.
+``pd:batch``. A range given the rank's :class:`..stage_timer.StageTimer` is also timed
+(device time per stage, read inside the server; see that module).
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def _pushed(name: str) -> Iterator[None]:
         torch.cuda.nvtx.range_pop()
 
 
-def marked(name: str) -> ContextManager[None]:
-    """An NVTX range named ``cp_shared_kv:<name>`` while enabled, else nothing at all."""
-    return _pushed(name) if nvtx_enabled() else _OFF
+@contextmanager
+def _pushed_and_timed(name: str, timer) -> Iterator[None]:
+    with _pushed(name), timer.span(name):
+        yield
+
+
+def marked(name: str, timer=None) -> ContextManager[None]:
+    """An NVTX range named ``cp_shared_kv:<name>`` while enabled (timed as ``name`` by
+    ``timer`` when one is given), else nothing at all."""
+    if not nvtx_enabled():
+        return _OFF
+    return _pushed(name) if timer is None else _pushed_and_timed(name, timer)

@@ -27,6 +27,7 @@ def group(request):
     if request.param in PREFETCH_N:
         jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
         jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
+        jobs += [("chunked_prefill", "fp8_e4m3", "off", {"prefetch": True, "stage_timer": True})]
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
 
@@ -75,13 +76,33 @@ def test_prefetch_bit_exact(group):
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
     runs = {k: v for k, v in results.items() if "prefetch=True" in k}
-    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 1
+    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 2
     for key, outcome in runs.items():
         if key.startswith("corrupted_shard_is_detected/"):
             assert outcome["stats"]["detected"], key  # the comparison still catches a bad page
             continue
         assert not outcome["errors"], (key, outcome["errors"])
         assert outcome["stats"]["prefetch_group"] == {"distinct": True, "size": n}, key
+
+
+def test_stage_timer_times_every_stage_of_every_forward(group):
+    """With timing on (the NVTX switch), every stage of every forward is timed and read back,
+    and the run stays bit-exact."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
+    (key, outcome), = [(k, v) for k, v in results.items() if "stage_timer=True" in k]
+    assert not outcome["errors"], (key, outcome["errors"])
+    stats = outcome["stats"]
+    times = stats["stage_times"]
+    assert times["forwards"] == stats["forwards"] and times["pending"] == 0 and times["dropped"] == 0
+    calls = {stage: v["calls"] for stage, v in times["stages"].items()}
+    assert calls["batch_state"] == stats["forwards"]
+    assert calls["owner_write"] == 2 * stats["layers"]  # index and MLA, every layer of every forward
+    assert calls["materialize:chunk"] == stats["layers"]
+    assert calls["prefetch:issue"] == calls["prefetch:wait"] > 0  # each one prefetched is waited for
+    assert calls["materialize:pack+gather"] >= calls["prefetch:issue"]
+    assert all(v["total_ms"] >= 0 for v in times["stages"].values()) and times["clock"] == "perf_counter"
 
 
 def test_corrupted_shard_is_detected(group):

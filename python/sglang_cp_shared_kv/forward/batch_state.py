@@ -54,6 +54,7 @@ class CpSharedBatchState:
     page_inverse: torch.Tensor  # (logical pages + 1,) int32: dense page of each page of the sequence, else 0
     dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
     debug: bool
+    timer: Optional[object] = None  # the rank's StageTimer (stage_timer.py) when timing is on
 
     @property
     def seq_len(self) -> int:
@@ -91,7 +92,7 @@ def cp_device_group(layout: CpSharedKVLayout):
 
 def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, *, seq_pages: torch.Tensor,
                       prefix_len: int, extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
-                      debug: bool) -> CpSharedBatchState:
+                      debug: bool, timer=None) -> CpSharedBatchState:
     """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``
     (pages numbered below ``num_logical_pages``)."""
     page_size = layout.page_size
@@ -106,7 +107,7 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
         layout=layout, kernels=kernels, group=group, page_map=page_map, prefix_len=prefix_len,
         extend_len=extend_len, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
         owned_physical_locs=owned_physical_locs, page_inverse=page_inverse, dense_out_locs=dense_out_locs,
-        debug=debug,
+        debug=debug, timer=timer,
     )
 
 
@@ -147,7 +148,7 @@ def build_for_forward(pool, metadata, forward_batch) -> Optional[CpSharedBatchSt
     return build_batch_state(
         layout, pool.context.kernels, cp_device_group(layout), seq_pages=metadata.real_page_table[0, :num_pages],
         prefix_len=prefix_len, extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
-        num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(),
+        num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(), timer=pool.context.stage_timer,
     )
 
 

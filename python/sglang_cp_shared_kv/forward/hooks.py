@@ -34,7 +34,10 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
         return result
     pool.end_batch()
     metadata = backend.forward_metadata
-    with marked("batch_state"):
+    timer = pool.context.stage_timer
+    if timer is not None:
+        timer.begin_forward(forward_batch.out_cache_loc.device)
+    with marked("batch_state", timer):
         state = batch_state_module.build_for_forward(pool, metadata, forward_batch)
     if state is None:  # idle batch
         return result
@@ -56,7 +59,7 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     def sglang_store(batch, layer, keys):
         original(indexer, batch, layer, keys, *args, **kwargs)
 
-    with marked("owner_write"):
+    with marked("owner_write", state.timer):
         writes.store_owned_index_rows(sglang_store, forward_batch, state, layer_id, key)
     materialize.materialize_index(
         state, forward_batch.token_to_kv_pool, layer_id,
@@ -77,7 +80,7 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
     prefetch.prefetch_next(state, pool, layer.layer_id)
     if chunk is not None:
-        with marked("owner_write"):
+        with marked("owner_write", state.timer):
             pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
     pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
     try:

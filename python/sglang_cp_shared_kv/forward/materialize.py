@@ -42,14 +42,15 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 
 def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
-                  shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False):
+                  shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False,
+                  timer=None):
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
     Returns (bytes this rank receives, the collective's work handle when ``async_op``, else
     None); no collective, on every rank alike, when the region is empty."""
     start, end = region
     if end == start:
         return 0, None
-    with marked("materialize:pack+gather"):
+    with marked("materialize:pack+gather", timer):
         packed = kernels.pack_pages(shard_words, send_pages)
         work = torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group,
                                                         async_op=async_op)
@@ -90,7 +91,8 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     shard = pool.physical_index_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
     received, _ = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
-                                page_words(shard, shard.shape[0]), page_map.history_send, state.group)
+                                page_words(shard, shard.shape[0]), page_map.history_send, state.group,
+                                timer=state.timer)
     store_chunk_into(dense)
     if state.debug:
         _check_owned_rows_match(
@@ -111,10 +113,11 @@ class MlaHistory:
     dense: torch.Tensor
     received: int
     work: Optional[object] = None
+    timer: Optional[object] = None  # the rank's StageTimer, when timing is on
 
     def wait(self) -> None:
         if self.work is not None:
-            with marked("prefetch:wait"):
+            with marked("prefetch:wait", self.timer):
                 self.work.wait()
             self.work = None
 
@@ -128,8 +131,8 @@ def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *,
     dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
     received, work = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
                                    page_map.history_region, page_words(shard, shard.shape[0] // page_size),
-                                   page_map.history_send, group, async_op=async_op)
-    return MlaHistory(layer_id, dense, received, work)
+                                   page_map.history_send, group, async_op=async_op, timer=state.timer)
+    return MlaHistory(layer_id, dense, received, work, state.timer)
 
 
 def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
@@ -144,9 +147,9 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     if chunk is None:
         received += gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
                                   page_map.current_region, page_words(shard, shard.shape[0] // page_size),
-                                  page_map.current_send, state.group)[0]
+                                  page_map.current_send, state.group, timer=state.timer)[0]
     else:
-        with marked("materialize:chunk"):
+        with marked("materialize:chunk", state.timer):
             store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
         if state.debug:
             dense_locs = state.dense_out_locs.index_select(0, state.owned_rows)

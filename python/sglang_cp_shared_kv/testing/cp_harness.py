@@ -57,8 +57,9 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
                  timeout_s: float = 1200.0) -> Dict[str, dict]:
     """Run ``jobs`` = [(scenario, dtype, debug[, options])] on ``n`` ranks, debug being "on",
     "off" or "alternate" (per forward), options {"prefetch": bool, "slow_prefetch_rank": r}
-    (that rank starts each prefetch late); return, per ``scenario/dtype/debug[/options]``
-    key, the merged outcome of all ranks."""
+    (that rank starts each prefetch late), {"stage_timer": bool} (NVTX on and every stage
+    timed; rank 0's stats then hold ``stage_times``); return, per
+    ``scenario/dtype/debug[/options]`` key, the merged outcome of all ranks."""
     import torch.multiprocessing as mp
 
     out_dir = tempfile.mkdtemp(prefix=f"cp-harness-{n}-")
@@ -90,7 +91,8 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
                 rig.stats["prefetch_group"] = {
                     "distinct": prefetch_group is not group.device_group,
                     "size": torch.distributed.get_world_size(prefetch_group)}
-            with _slow_prefetch(options.get("slow_prefetch_rank") == rank):
+            with _slow_prefetch(options.get("slow_prefetch_rank") == rank), \
+                    _stage_timed(rig, rank, options.get("stage_timer", False)):
                 SCENARIOS[name](rig)
             rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
             key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
@@ -101,6 +103,34 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+
+
+@contextlib.contextmanager
+def _stage_timed(rig: Rig, rank: int, on: bool):
+    """With ``on``: NVTX on (ranges become no-ops without a GPU) and a stage timer on the
+    rank's context for the job; its final snapshot goes to ``rig.stats["stage_times"]``."""
+    if not on:
+        yield
+        return
+    from sglang_cp_shared_kv.config import NVTX_ENV
+    from sglang_cp_shared_kv.stage_timer import StageTimer
+
+    timer = StageTimer(rank)
+    rig.shared.context.stage_timer = timer
+    saved = os.environ.get(NVTX_ENV)
+    os.environ[NVTX_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(NVTX_ENV, None)
+        else:
+            os.environ[NVTX_ENV] = saved
+        rig.shared.context.stage_timer = None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        timer.collect()
+        rig.stats["stage_times"] = timer.snapshot()
 
 
 @contextlib.contextmanager
