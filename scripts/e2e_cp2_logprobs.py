@@ -39,14 +39,12 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from sglang_cp_shared_kv.testing.server import e2e_env, post, start_server, stop, write_model
+
 INDEX_TOPK = 2048
 CHUNK = 2048  # --chunked-prefill-size
 TINY_DSV32 = {
@@ -82,18 +80,6 @@ def prompts():
     }
 
 
-def post(port, path, body=None, timeout=600):
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        text = resp.read()
-    try:
-        return json.loads(text or b"null")
-    except ValueError:  # /flush_cache answers in plain text
-        return text.decode(errors="replace")
-
-
 def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
            "--skip-tokenizer-init", "--trust-remote-code", "--tp", "2", "--enable-nsa-prefill-context-parallel",
@@ -106,34 +92,13 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            "--skip-server-warmup", "--disable-overlap-schedule"]
     if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
         cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
-    env = dict(os.environ, CPSKV_E2E="1", SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "scripts" / "e2e"), os.environ.get("PYTHONPATH", "")]))
+    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
     if flag_on:
         cmd.append("--enable-nsa-prefill-cp-shared-kv")
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
     if corrupt_rank is not None:
         env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + args.boot_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name}: server exited with {proc.returncode}; see {log_path}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
-            return proc
-        except OSError:
-            time.sleep(3)
-    stop(proc)
-    raise RuntimeError(f"{name}: server not healthy within {args.boot_timeout}s; see {log_path}")
-
-
-def stop(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
+    return start_server(name, cmd, env, port, log_path, args.boot_timeout)
 
 
 def logprobs(port, ids, start):
@@ -188,9 +153,7 @@ def main():
     if unknown:
         ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
     work = Path(args.workdir)
-    model = work / "tiny-dsv32"
-    model.mkdir(parents=True, exist_ok=True)
-    (model / "config.json").write_text(json.dumps(TINY_DSV32))
+    model = write_model(work / "tiny-dsv32", TINY_DSV32)
     os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     requests = prompts()
     for name in selected:

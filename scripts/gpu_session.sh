@@ -9,7 +9,8 @@
 #   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
 #   BENCH=0 skips the benchmarks; E2E="off_a,on,..." runs those servers of
 #   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
-#   machine stays warm, logs are copied to $out).
+#   machine stays warm, logs are copied to $out); TTFT="--runs 5 ..." runs
+#   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -43,6 +44,12 @@ if [ -n "${E2E:-}" ]; then
     > "$out/e2e.txt" 2>&1 || status=1
   cp "$HOME"/e2e-work/*.log "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
   tail -40 "$out/e2e.txt"
+fi
+if [ -n "${TTFT:-}" ]; then
+  python3 scripts/bench_e2e_ttft.py $TTFT --workdir "$HOME/ttft-work" --out "$out/bench_e2e_ttft.json" \
+    > "$out/bench_e2e_ttft.txt" 2>&1 || status=1
+  cp "$HOME"/ttft-work/*.log "$out"/ 2>/dev/null
+  tail -20 "$out/bench_e2e_ttft.txt"
 fi
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do

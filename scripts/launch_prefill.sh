@@ -21,27 +21,17 @@
 #   -- ARGS...              passed to sglang.launch_server unchanged
 set -euo pipefail
 usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+source "$(dirname "$0")/launch_common.sh"
 
-model="" cp_size="" host=0.0.0.0 port=30000 bootstrap_port=8998 nnodes=1 node_rank=0
-dist_init_addr="" ib_device="" kv_dtype=bfloat16 mem_fraction=0.8 context_length="" base_gpu=0
-shared=1 dry_run=0 extra=()
+model="" cp_size="" port=30000 mem_fraction=0.8 bootstrap_port=8998 shared=1
 while [ $# -gt 0 ]; do
+  parse_common_option "$@"
+  if [ "$shift_by" -gt 0 ]; then shift "$shift_by"; continue; fi
   case "$1" in
     --model) model=$2; shift 2 ;;
     --cp-size) cp_size=$2; shift 2 ;;
-    --host) host=$2; shift 2 ;;
-    --port) port=$2; shift 2 ;;
     --bootstrap-port) bootstrap_port=$2; shift 2 ;;
-    --nnodes) nnodes=$2; shift 2 ;;
-    --node-rank) node_rank=$2; shift 2 ;;
-    --dist-init-addr) dist_init_addr=$2; shift 2 ;;
-    --ib-device) ib_device=$2; shift 2 ;;
-    --kv-cache-dtype) kv_dtype=$2; shift 2 ;;
-    --mem-fraction-static) mem_fraction=$2; shift 2 ;;
-    --context-length) context_length=$2; shift 2 ;;
-    --base-gpu-id) base_gpu=$2; shift 2 ;;
     --off) shared=0; shift ;;
-    --dry-run) dry_run=1; shift ;;
     -h|--help) usage 0 ;;
     --) shift; extra=("$@"); break ;;
     *) echo "launch_prefill: unknown option '$1' (see --help)" >&2; exit 2 ;;
@@ -50,25 +40,11 @@ done
 [ -n "$model" ] || { echo "launch_prefill: --model is required" >&2; exit 2; }
 case "$cp_size" in ''|*[!0-9]*) echo "launch_prefill: --cp-size N (an integer >= 2) is required" >&2; exit 2 ;; esac
 [ "$cp_size" -ge 2 ] || { echo "launch_prefill: --cp-size must be >= 2 (one rank has nothing to shard)" >&2; exit 2; }
-if [ "$nnodes" -gt 1 ] && [ -z "$dist_init_addr" ]; then
-  echo "launch_prefill: --dist-init-addr HOST:PORT is required with --nnodes $nnodes" >&2; exit 2
-fi
+check_nodes launch_prefill
 
-python=${PYTHON:-python3}
-# Every CP rank sends its own pages; decode must be told to wait for all of them (set it there too).
-env_vars=(SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1)
-cmd=("$python" -m sglang.launch_server --model-path "$model" --trust-remote-code
+cmd=("${PYTHON:-python3}" -m sglang.launch_server --model-path "$model" --trust-remote-code
      --tp-size "$cp_size" --enable-nsa-prefill-context-parallel --nsa-prefill-cp-mode in-seq-split
-     --disaggregation-mode prefill --disaggregation-transfer-backend mooncake
-     --disaggregation-bootstrap-port "$bootstrap_port" --kv-cache-dtype "$kv_dtype"
-     --mem-fraction-static "$mem_fraction" --host "$host" --port "$port" --base-gpu-id "$base_gpu"
-     --enable-metrics)
-[ "$nnodes" -gt 1 ] && cmd+=(--nnodes "$nnodes" --node-rank "$node_rank" --dist-init-addr "$dist_init_addr")
-[ -n "$ib_device" ] && cmd+=(--disaggregation-ib-device "$ib_device")
-[ -n "$context_length" ] && cmd+=(--context-length "$context_length")
+     --disaggregation-mode prefill --disaggregation-bootstrap-port "$bootstrap_port")
+common_server_args
 [ "$shared" = 1 ] && cmd+=(--enable-nsa-prefill-cp-shared-kv)
-cmd+=("${extra[@]}")
-
-printf '%s \\\n  ' "${env_vars[@]}" && printf '%q ' "${cmd[@]}" && printf '\n'
-[ "$dry_run" = 1 ] && exit 0
-exec env "${env_vars[@]}" "${cmd[@]}"
+print_and_run

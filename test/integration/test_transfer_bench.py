@@ -1,22 +1,15 @@
 """scripts/bench_pd_transfer.py builds the request it claims to (no processes started)."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.testing.support import load_script
 from sglang_cp_shared_kv.transfer.pages import contiguous_runs
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_pd_transfer", ROOT / "scripts" / "bench_pd_transfer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_pd_transfer")
 
 
 def test_glm5_request_plan():

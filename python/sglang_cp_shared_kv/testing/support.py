@@ -1,5 +1,6 @@
 """Test data and helpers shared by the rigs, the tests and the benchmarks (not fixtures)."""
 
+import importlib.util
 import json
 import socket
 import time
@@ -35,6 +36,18 @@ def shared_kv_kwargs(model_path, **overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+#: The repository's ``scripts/`` (tests load benchmark scripts from it as modules).
+SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (its ``main`` not run), for tests of its parts."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

@@ -1,0 +1,87 @@
+"""Real SGLang servers for the end-to-end scripts (``scripts/e2e_cp2_logprobs.py``,
+``scripts/bench_e2e_ttft.py``): a small model directory, one server process per call
+(its own process group, its log in a file), a health wait with a deadline, JSON over HTTP,
+and a stop that always ends the process group.
+
+The servers run with ``scripts/e2e`` on ``PYTHONPATH`` and ``CPSKV_E2E=1``
+(:func:`e2e_env`), whose ``sitecustomize`` makes SGLang's dummy weights non-degenerate, so
+logits depend on the KV the kernels read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[3]
+E2E_SITE = ROOT / "scripts" / "e2e"
+
+
+def write_model(directory: Path, config: Dict) -> Path:
+    """A model directory holding only ``config.json`` (weights: ``--load-format dummy``)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def e2e_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """This process's environment with the e2e ``sitecustomize`` switched on, plus ``extra``."""
+    env = dict(os.environ, CPSKV_E2E="1",
+               PYTHONPATH=os.pathsep.join(p for p in [str(E2E_SITE), os.environ.get("PYTHONPATH", "")] if p))
+    env.update(extra or {})
+    return env
+
+
+def post(port: int, path: str, body=None, timeout: float = 600):
+    """POST (GET without ``body``) to 127.0.0.1:``port``; the JSON answer (plain text as is)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        text = resp.read()
+    try:
+        return json.loads(text or b"null")
+    except ValueError:  # /flush_cache answers in plain text
+        return text.decode(errors="replace")
+
+
+def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_path: Path,
+                 boot_timeout: float) -> subprocess.Popen:
+    """Start ``cmd`` (logging to ``log_path``) and wait until ``/health`` on ``port``
+    answers; raise, with the log's name, when it exits or is not healthy in time."""
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()  # the child holds its own descriptor
+    deadline = time.monotonic() + boot_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: server exited with {proc.returncode}; see {log_path}")
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+            return proc
+        except OSError:
+            time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"{name}: server not healthy within {boot_timeout}s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End the server's whole process group (SIGTERM, then SIGKILL after 60 s)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+__all__ = ["ROOT", "E2E_SITE", "write_model", "e2e_env", "post", "start_server", "stop"]

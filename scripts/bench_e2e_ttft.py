@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""TTFT of a real CP2 prefill server, flag off vs on (and on with phase-8 prefetch), side by
+side on the same GPUs, requests interleaved so drift cancels; then, from inside the flag-on
+servers, the time each stage of the plugin's work takes per layer.
+
+Needs two GPUs (one server = TP2, in-seq-split CP2), sglang 0.5.12.post1 and this plugin
+(scripts/gpu_session.sh sets the environment). The model is DeepSeek-V3.2's attention and
+MLP at full size with --layers dense layers (random non-degenerate weights, see
+scripts/e2e/sitecustomize.py); every server gets the same layout, so the same weights.
+
+Phase 1 (TTFT): servers off, on, on_prefetch run at once (--mem-fraction-static 0.28 each,
+their own --port and --nccl-port). After one warm-up request per length and server, each
+length is sent --runs times to every server, the server order rotating every round; TTFT
+is the wall time of a max_new_tokens=1 request (fresh random prompt each time, the same
+prompt for every server in a round). Overhead % = median(server) / median(off) - 1.
+
+Phase 2 (stage times): on and on_prefetch restarted with SGLANG_CP_SHARED_KV_NVTX=1 and
+SGLANG_CP_SHARED_KV_TIMING_DIR; per length one request between two 64-token requests
+(a forward's figures are written when the next one starts); the delta of rank 0's
+stage-times file over those requests, per forward and per layer (it includes one
+64-token forward).
+
+Usage: python scripts/bench_e2e_ttft.py --out ttft.json [--lengths 16384,32768,65536,114688]
+       [--runs 5] [--layers 8] [--kv-cache-dtype bfloat16] [--cp-size 2] [--skip-stage-times]
+JSON on stdout and in --out. Nothing here is a pass/fail test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+from sglang_cp_shared_kv.testing.server import e2e_env, post, start_server, stop, write_model
+
+CHUNK = 8192
+VARIANTS = {  # name: (flag on, prefetch)
+    "off": (False, False), "on": (True, False), "on_prefetch": (True, True),
+}
+#: DeepSeek-V3.2's attention and dense-MLP dimensions; every layer dense (no MoE weights).
+DSV32_DIMS = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_head_dim": 128,
+    "index_n_heads": 64, "index_topk": 2048, "vocab_size": 129280, "max_position_embeddings": 163840,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1, "moe_layer_freq": 1,
+    "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+}
+
+
+# ------------------------------------------------------------------ pure parts
+def model_config(layers: int) -> dict:
+    return dict(DSV32_DIMS, num_hidden_layers=layers, first_k_dense_replace=layers)
+
+
+def schedule(lengths: Sequence[int], runs: int, variants: Sequence[str]) -> List[Tuple[int, int, str]]:
+    """(round, length, variant) in send order: every variant once per length per round, the
+    variant order rotated by one each round (each variant goes first equally often)."""
+    out = []
+    for rnd in range(runs):
+        order = list(variants[rnd % len(variants):]) + list(variants[: rnd % len(variants)])
+        for length in lengths:
+            out += [(rnd, length, v) for v in order]
+    return out
+
+
+def summarize(ttft: Dict[str, Dict[int, List[float]]], base: str = "off") -> dict:
+    """Median, min, max and spread per variant and length; overhead % against ``base``."""
+    out: dict = {}
+    for variant, by_length in ttft.items():
+        for length, times in by_length.items():
+            med = statistics.median(times)
+            entry = {"runs": len(times), "median_s": round(med, 5), "min_s": round(min(times), 5),
+                     "max_s": round(max(times), 5), "spread_pct": round(100 * (max(times) - min(times)) / med, 2)}
+            if variant != base and base in ttft and length in ttft[base]:
+                entry["overhead_pct"] = round(100 * (med / statistics.median(ttft[base][length]) - 1), 2)
+            out.setdefault(variant, {})[str(length)] = entry
+    return out
+
+
+def stage_delta(before: dict, after: dict, layers: int) -> dict:
+    """Per stage, what ``after`` (a stage-times snapshot) adds to ``before``: calls, ms, ms
+    per forward and per layer."""
+    forwards = after["forwards"] - before["forwards"]
+    out = {"forwards": forwards, "stages": {}}
+    for stage, now in after["stages"].items():
+        then = before["stages"].get(stage, {"calls": 0, "total_ms": 0.0})
+        ms = now["total_ms"] - then["total_ms"]
+        out["stages"][stage] = {"calls": now["calls"] - then["calls"], "ms": round(ms, 4),
+                                "ms_per_forward": round(ms / forwards, 4) if forwards else None,
+                                "ms_per_layer": round(ms / forwards / layers, 4) if forwards else None}
+    return out
+
+
+def prompt(seed: int, length: int, vocab: int) -> List[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(2, vocab, size=length).tolist()
+
+
+# ------------------------------------------------------------------- servers
+def launch(name: str, variant: str, model: Path, args, index: int, work: Path, timing_dir: Path = None):
+    flag_on, prefetch = VARIANTS[variant]
+    port, nccl_port = args.port + 10 * index, args.port + 10 * index + 5
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.cp_size),
+           "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+           "--disable-custom-all-reduce", "--page-size", "64", "--mem-fraction-static", str(args.mem_fraction),
+           "--disable-cuda-graph", "--disable-piecewise-cuda-graph", "--random-seed", "0",
+           "--port", str(port), "--nccl-port", str(nccl_port), "--kv-cache-dtype", args.kv_cache_dtype,
+           "--chunked-prefill-size", str(CHUNK), "--sampling-backend", "pytorch",
+           "--skip-server-warmup", "--disable-overlap-schedule",
+           "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+                   "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"})
+    if flag_on:
+        cmd.append("--enable-nsa-prefill-cp-shared-kv")
+        env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
+    if prefetch:
+        env["SGLANG_CP_SHARED_KV_PREFETCH"] = "1"
+    if timing_dir is not None:
+        env.update(SGLANG_CP_SHARED_KV_NVTX="1", SGLANG_CP_SHARED_KV_TIMING_DIR=str(timing_dir))
+    proc = start_server(name, cmd, env, port, work / f"{name}.log", args.boot_timeout)
+    return proc, port
+
+
+def generate(port: int, ids: List[int]) -> float:
+    t0 = time.perf_counter()
+    post(port, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+    return time.perf_counter() - t0
+
+
+def measure_ttft(args, model: Path, work: Path) -> dict:
+    servers = {}
+    try:
+        for i, variant in enumerate(VARIANTS):
+            servers[variant] = launch(variant, variant, model, args, i, work)
+        vocab = DSV32_DIMS["vocab_size"]
+        for length in args.lengths:  # warm-up: JIT and allocator for each shape
+            for variant, (_, port) in servers.items():
+                generate(port, prompt(10_000 + length, length, vocab))
+        ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in VARIANTS}
+        for rnd, length, variant in schedule(args.lengths, args.runs, list(VARIANTS)):
+            ttft[variant][length].append(generate(servers[variant][1], prompt(rnd * 1000 + length, length, vocab)))
+            print(f"round {rnd} {length:>7} {variant:<12} {ttft[variant][length][-1]:.4f} s", file=sys.stderr)
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    return {"raw_s": {v: {str(n): t for n, t in by.items()} for v, by in ttft.items()}, "summary": summarize(ttft)}
+
+
+def measure_stage_times(args, model: Path, work: Path) -> dict:
+    out = {}
+    vocab = DSV32_DIMS["vocab_size"]
+    for i, variant in enumerate(("on", "on_prefetch")):
+        timing_dir = work / f"timing-{variant}"
+        proc, port = launch(f"{variant}-timed", variant, model, args, i, work, timing_dir)
+        try:
+            out[variant] = {}
+            rank0 = timing_dir / "stage-times-cp0.json"
+            for length in args.lengths:
+                generate(port, prompt(20_000 + length, length, vocab))  # warm-up
+                generate(port, prompt(1, 64, vocab))
+                generate(port, prompt(2, 64, vocab))
+                before = json.loads(rank0.read_text())
+                generate(port, prompt(30_000 + length, length, vocab))
+                generate(port, prompt(3, 64, vocab))
+                after = json.loads(rank0.read_text())
+                out[variant][str(length)] = stage_delta(before, after, args.layers)
+        finally:
+            stop(proc)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_e2e_ttft.json")
+    ap.add_argument("--workdir", default="ttft-work")
+    ap.add_argument("--lengths", default="16384,32768,65536,114688")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--cp-size", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="bfloat16")
+    ap.add_argument("--mem-fraction", type=float, default=0.28)
+    ap.add_argument("--port", type=int, default=32000)
+    ap.add_argument("--boot-timeout", type=int, default=600)
+    ap.add_argument("--skip-stage-times", action="store_true")
+    args = ap.parse_args()
+    args.lengths = [int(x) for x in args.lengths.split(",") if x]
+    if args.runs < 1 or args.layers < 1 or args.cp_size < 2 or not args.lengths:
+        ap.error("--runs and --layers must be >= 1, --cp-size >= 2, --lengths non-empty")
+    work = Path(args.workdir)
+    model = write_model(work / f"dsv32-dims-{args.layers}l", model_config(args.layers))
+    report = {"command": " ".join(sys.argv), "layers": args.layers, "cp_size": args.cp_size, "chunk": CHUNK,
+              "kv_cache_dtype": args.kv_cache_dtype, "lengths": args.lengths, "runs": args.runs,
+              "ttft": measure_ttft(args, model, work)}
+    if not args.skip_stage_times:
+        report["stage_times"] = measure_stage_times(args, model, work)
+    text = json.dumps(report, indent=1)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

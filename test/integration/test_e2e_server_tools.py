@@ -1,0 +1,107 @@
+"""The real-server tooling on CPU: starting, health wait, JSON over HTTP and stopping (a
+stand-in HTTP server in place of SGLang's), and the pure parts of scripts/bench_e2e_ttft.py."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cp_shared_kv.testing import server
+from sglang_cp_shared_kv.testing.support import free_port, load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+FAKE_SERVER = r"""
+import json, sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+time.sleep(float(sys.argv[2]))  # a slow boot
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def _send(self, body, ctype="application/json"):
+        self.send_response(200); self.send_header("Content-Type", ctype); self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self._send(b"" if self.path == "/health" else b"plain text answer", "text/plain")
+    def do_POST(self):
+        n = int(self.headers["Content-Length"]); body = json.loads(self.rfile.read(n))
+        self._send(json.dumps({"echo": body, "path": self.path}).encode())
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _start(tmp_path, *extra, boot_timeout=60):
+    port = free_port()
+    cmd = [sys.executable, "-c", FAKE_SERVER, str(port), *extra]
+    return server.start_server("fake", cmd, server.e2e_env({"X": "1"}), port, tmp_path / "fake.log", boot_timeout), port
+
+
+def test_start_post_stop(tmp_path):
+    proc, port = _start(tmp_path, "1.5")  # healthy only after its slow boot
+    try:
+        assert server.post(port, "/generate", {"input_ids": [1, 2]}) == {"echo": {"input_ids": [1, 2]},
+                                                                          "path": "/generate"}
+        assert server.post(port, "/flush_cache") == "plain text answer"
+    finally:
+        server.stop(proc)
+    assert proc.poll() is not None
+
+
+def test_a_server_that_exits_or_never_gets_healthy_is_reported(tmp_path):
+    with pytest.raises(RuntimeError, match="server exited with 1; see .*fake.log"):
+        server.start_server("fake", [sys.executable, "-c", "raise SystemExit(1)"], server.e2e_env(),
+                            free_port(), tmp_path / "fake.log", 30)
+    hang = [sys.executable, "-c", "import time; time.sleep(600)"]
+    with pytest.raises(RuntimeError, match="not healthy within 2s"):
+        server.start_server("fake", hang, server.e2e_env(), free_port(), tmp_path / "fake.log", 2)
+
+
+def test_e2e_env_puts_the_sitecustomize_first(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = server.e2e_env({"A": "b"})
+    assert env["CPSKV_E2E"] == "1" and env["A"] == "b"
+    assert env["PYTHONPATH"].split(":") == [str(ROOT / "scripts" / "e2e"), "/elsewhere"]
+    assert (Path(env["PYTHONPATH"].split(":")[0]) / "sitecustomize.py").exists()
+
+
+def _bench():
+    return load_script("bench_e2e_ttft")
+
+
+def test_ttft_schedule_interleaves_and_rotates():
+    bench = _bench()
+    order = bench.schedule([16, 32], 3, ["off", "on", "on_prefetch"])
+    assert len(order) == 3 * 2 * 3
+    firsts = [v for (rnd, length, v) in order if length == 16][::3]
+    assert firsts == ["off", "on", "on_prefetch"]  # each variant leads one round
+    for rnd in range(3):  # every variant once per length per round
+        for length in (16, 32):
+            assert sorted(v for r, n, v in order if (r, n) == (rnd, length)) == ["off", "on", "on_prefetch"]
+
+
+def test_ttft_summary_and_stage_delta():
+    bench = _bench()
+    summary = bench.summarize({"off": {16: [1.0, 1.2, 1.1]}, "on": {16: [1.1, 1.155, 1.3]}})
+    assert summary["off"]["16"] == {"runs": 3, "median_s": 1.1, "min_s": 1.0, "max_s": 1.2, "spread_pct": 18.18}
+    assert summary["on"]["16"]["overhead_pct"] == 5.0 and "overhead_pct" not in summary["off"]["16"]
+    before = {"forwards": 4, "stages": {"owner_write": {"calls": 64, "total_ms": 10.0}}}
+    after = {"forwards": 6, "stages": {"owner_write": {"calls": 96, "total_ms": 14.0},
+                                       "prefetch:wait": {"calls": 14, "total_ms": 0.7}}}
+    delta = bench.stage_delta(before, after, layers=8)
+    assert delta["forwards"] == 2
+    assert delta["stages"]["owner_write"] == {"calls": 32, "ms": 4.0, "ms_per_forward": 2.0, "ms_per_layer": 0.25}
+    assert delta["stages"]["prefetch:wait"]["ms_per_layer"] == 0.0437
+
+
+def test_ttft_model_has_deepseek_v32_dims_and_only_dense_layers():
+    config = _bench().model_config(8)
+    assert config["num_hidden_layers"] == config["first_k_dense_replace"] == 8
+    assert (config["hidden_size"], config["num_attention_heads"], config["kv_lora_rank"], config["index_topk"]) \
+        == (7168, 128, 512, 2048)
+    assert config["max_position_embeddings"] >= 114688 + 1
+
+
+def test_ttft_bench_refuses_bad_arguments(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--cp-size", "1",
+                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--cp-size >= 2" in proc.stderr
