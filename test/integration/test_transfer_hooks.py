@@ -76,6 +76,7 @@ def make_manager(*, shared=True, cp_size=2, cp_rank=0, physical_pages=10, mode="
     mgr.is_mla_backend = mla
     mgr.enable_all_cp_ranks_for_transfer = all_cp_ranks
     mgr.attn_cp_size, mgr.attn_cp_rank = cp_size, cp_rank
+    mgr.attn_tp_rank, mgr.pp_size, mgr.pp_rank = 0, 1, 0
     mgr.kv_args = SimpleNamespace(
         page_size=PAGE, kv_data_ptrs=[1000 * (i + 1) for i in range(LAYERS)], kv_data_lens=[pages * KV_ITEM] * LAYERS,
         kv_item_lens=[KV_ITEM] * LAYERS, state_types=[StateType.NSA],
@@ -119,6 +120,8 @@ def test_plugin_table_has_every_transfer_hook():
         "MooncakeKVManager.sync_status_to_decode_endpoint": "around",
         "MooncakeKVManager._handle_aux_data": "around",
         "MooncakeKVReceiver.failure_exception": "around",
+        "CommonKVSender.abort": "around",
+        "prefill.release_req_to_metadata_buffer": "around",
     }
 
 
@@ -558,3 +561,83 @@ def test_prometheus_counters_with_metrics_on():
     transfer.enqueue_owned_chunk(Recorder(), mgr, 22, physical, positions, False)
     after = REGISTRY.get_sample_value("sglang:cp_shared_kv_transfer_pages_total", {"cp_rank": "1", "kind": "kv"})
     assert after - before == 2
+
+
+# ------------------------------------------------- a request the prefill aborted
+class Notices:
+    """Records what the abort path sends to decode (in place of its ZMQ sockets)."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, remote, dst_port, messages):
+        self.sent.append((remote, dst_port, messages))
+
+
+@pytest.mark.parametrize("where", ["sender.abort", "waiting-queue release"])
+def test_an_aborted_request_is_failed_on_decode_at_once(where, caplog):
+    """Stock SGLang drops an aborted request on prefill without a word to decode, which then
+    holds its preallocated pages until its waiting timeout (300 s). With shared KV the abort
+    sends decode the cause and SGLang's Failed status at once; later chunks are dropped."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(cp_size=2, cp_rank=1)
+    info = ready_room(mgr, 21, dst_pages=[70, 71, 72, 73])
+    notices = prefill.prefill_transfer(mgr)._abort_notices = Notices()
+    sender = SimpleNamespace(kv_mgr=mgr, bootstrap_room=21, aux_index=5)
+    original = Recorder(result="done")
+    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer.prefill"):
+        if where == "sender.abort":
+            assert transfer.fail_aborted_room_on_decode(original, sender) == "done"
+        else:
+            req = SimpleNamespace(disagg_kv_sender=sender, metadata_buffer_index=5)
+            assert transfer.fail_unsent_room_on_release(original, req, "allocator") == "done"
+    assert len(original.calls) == 1  # SGLang's own abort / release still runs
+    (remote, port, (cause, status)), = notices.sent
+    assert (remote, port) == ("127.0.0.1", 5555)
+    assert status == [b"21", str(KVPoll.Failed).encode(), b"1"]  # room, Failed, this rank's sender id
+    room, text = parse_failure_cause(cause)
+    assert room == 21 and text.startswith("prefill CP rank 1 of 2: room 21 ends unsent: the prefill aborted")
+    assert mgr.failure_records[21] == text
+    stats = prefill.transfer_stats(mgr)
+    assert stats["aborted_requests"] == 1 and stats["rejected_requests"] == 0
+    assert "decode told it failed (1 target(s))" in caplog.text and "ERROR" not in caplog.text
+    # a chunk still to come (in flight) is dropped, its aux write withheld
+    later = Recorder()
+    transfer.enqueue_owned_chunk(later, mgr, 21, np.array([1], np.int32), np.array([0]), True, aux_index=5)
+    assert later.calls == []
+    assert transfer.send_aux_unless_failed(Recorder(), mgr, info, 5, [1]) == -1
+    # twice (abort, then release) tells decode once
+    transfer.fail_unsent_room_on_release(Recorder(), SimpleNamespace(disagg_kv_sender=sender))
+    assert len(notices.sent) == 1
+
+
+@pytest.mark.parametrize("case", ["concluded", "decode never registered", "flag off", "no sender"])
+def test_an_abort_with_nothing_to_tell_decode_changes_nothing(case):
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(shared=case != "flag off")
+    ready_room(mgr, 22, dst_pages=[70, 71])
+    if case == "concluded":
+        mgr.request_status[22] = KVPoll.Success
+    elif case == "decode never registered":
+        del mgr.transfer_infos[22]
+    context = prefill.prefill_transfer(mgr)
+    notices = Notices()
+    if context is not None:
+        context._abort_notices = notices
+    sender = None if case == "no sender" else SimpleNamespace(kv_mgr=mgr, bootstrap_room=22, aux_index=1)
+    original = Recorder()
+    if sender is not None:
+        transfer.fail_aborted_room_on_decode(original, sender)
+    transfer.fail_unsent_room_on_release(original, SimpleNamespace(disagg_kv_sender=sender))
+    assert notices.sent == [] and 22 not in mgr.failure_records
+
+
+def test_the_failed_status_frames_are_sglangs():
+    """decode parses (room, KVPoll value, sender id); the plugin's pure encoder writes Failed as 0."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_cp_shared_kv.transfer.failure_cause import encode_failed_status
+
+    assert encode_failed_status(7, 3) == [b"7", str(int(KVPoll.Failed)).encode("ascii"), b"3"]

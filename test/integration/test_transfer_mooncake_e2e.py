@@ -19,7 +19,9 @@ all); 80 pages x 61 layers on N = 2 (2,440 descriptors per rank per write); on N
 preallocates fewer pages than the request has (rejected before enqueueing); on the low lane,
 batches sized to it pass, an index write it rejects and a KV write it rejects fail the
 request on both sides with the cause; a prompt the prefill refused (stock SGLang sends a
-one-token stand-in: decode completes it flag off, fails it flag on); prefill rank 3 of S4 SIGKILLs itself after its first
+one-token stand-in: decode completes it flag off, fails it flag on); a request the prefill
+aborts after bootstrap (decode waits for its timeout flag off, fails at once flag on);
+prefill rank 3 of S4 SIGKILLs itself after its first
 chunk was written (decode fails within its waiting timeout, no hang).
 """
 
@@ -43,6 +45,7 @@ PAGE = PAGE_SIZE
 LAYERS = rig.TEST_GEOMETRY.layers
 LANE_LIMIT = 64  # MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and ..._PENDING_ADMISSIONS_... in L1
 KILL_TIMEOUT_S = 6  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT for the killed-rank request
+ABORT_TIMEOUT_S = 8  # the same for the aborted requests (stock waits all of it)
 MAIN_PROCS = ["P0", "P1", "P2", "P3"]
 REFUSED_INSTANCES = ("R1", "R2", "S2", "S3")
 
@@ -117,6 +120,12 @@ def build_plan():
     for instance in REFUSED_INSTANCES:
         add(f"prefill-refused-prompt/{instance}", instance, 30 * PAGE, [30 * PAGE], 0, np.arange(1, 31),
             "contiguous", 11, prefill_refused=True, expect="stock" if instance.startswith("R") else "failed")
+    # The prefill aborts the request after bootstrap (SGLang's abort_request: sender.abort()).
+    # Stock (R2) leaves decode waiting for its waiting timeout; the flag (S3) tells it at once.
+    add("prefill-aborts/R2", "R2", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
+        prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
+    add("prefill-aborts/S3", "S3", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
+        prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
     # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
     # 64-entry lane) and its index batch 26 pages x 61 layers.
     lane_pages = np.arange(1, 53)
@@ -309,6 +318,22 @@ def test_flag_fails_a_prompt_its_prefill_refused_on_both_sides(pd_run):
         for rank, result in _ranks(pd_run, name).items():
             assert result["status"] == "failed" and "rejected room" in result["error"], (rank, result)
             assert result["stats"]["rejected_requests"] == 1 and result["stats"]["kv_descriptors"] == 0, result
+
+
+def test_an_aborted_prefill_fails_on_decode_at_once(pd_run):
+    """SGLang's prefill aborts a bootstrapped request (MooncakeKVSender.abort). Stock: decode
+    hears nothing and fails only at its waiting timeout, holding its pages until then. With
+    the flag every rank tells decode at once, with the cause."""
+    stock = _decode(pd_run, "prefill-aborts/R2")
+    assert stock["status"] == "failed" and "timed out after" in stock["error"], _context(pd_run, "prefill-aborts/R2")
+    assert stock["elapsed_s"] >= ABORT_TIMEOUT_S
+    name = "prefill-aborts/S3"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and decode["elapsed_s"] < ABORT_TIMEOUT_S / 2, _context(pd_run, name)
+    assert "cause: prefill CP rank" in decode["error"], decode
+    for rank, result in _ranks(pd_run, name).items():
+        assert result["status"] == "failed" and "Aborted by AbortReq" in result["error"], (rank, result)
+        assert result["stats"]["aborted_requests"] == 1 and result["stats"]["write_batches"] == 0, result
 
 
 def test_lane_limit_sized_batches_pass(pd_run):

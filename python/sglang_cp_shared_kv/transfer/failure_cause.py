@@ -28,6 +28,13 @@ def encode_failure_cause(aux_data_header: bytes, room: int, text: str) -> List[b
     return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD, payload]
 
 
+def encode_failed_status(room: int, prefill_rank: int) -> List[bytes]:
+    """SGLang's status message to decode saying ``room`` failed on ``prefill_rank`` (the
+    three frames of ``MooncakeKVManager.sync_status_to_decode_endpoint``: room, KVPoll
+    value, sender id; ``KVPoll.Failed`` is 0). Decode fails the room on the first one."""
+    return [str(room).encode("ascii"), b"0", str(prefill_rank).encode("ascii")]
+
+
 def parse_failure_cause(msg: Sequence[bytes]) -> Optional[Tuple[int, str]]:
     """``(room, text)`` of a cause message; None for any other ``AUX_DATA`` message."""
     if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(CAUSE_PREFIX):
@@ -69,4 +76,4 @@ class BoundedRooms:
 
 
 __all__ = ["CAUSE_LENGTH_FIELD", "CAUSE_PREFIX", "MAX_CAUSE_BYTES", "MAX_TRACKED_ROOMS",
-           "encode_failure_cause", "parse_failure_cause", "BoundedRooms"]
+           "encode_failure_cause", "encode_failed_status", "parse_failure_cause", "BoundedRooms"]

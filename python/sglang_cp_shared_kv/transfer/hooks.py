@@ -70,6 +70,30 @@ send_aux_unless_failed = _delegate_to_shard_transfer(
     "send_aux", "AROUND ``MooncakeKVManager.send_aux``.")
 
 
+def fail_aborted_room_on_decode(original, sender, *args, **kwargs):
+    """AROUND ``CommonKVSender.abort`` (a request aborted in the bootstrap or in-flight
+    queue): with shared KV, decode hears at once that the room will not arrive, instead of
+    after its waiting timeout."""
+    context = prefill_transfer(sender.kv_mgr)
+    if context is not None:
+        context.fail_unsent_room(sender.kv_mgr, sender.bootstrap_room,
+                                 "the prefill aborted the request before sending all of its KV")
+    return original(sender, *args, **kwargs)
+
+
+def fail_unsent_room_on_release(original, req, *args, **kwargs):
+    """AROUND ``disaggregation.prefill.release_req_to_metadata_buffer``: SGLang's prefill
+    calls it for a request aborted in its waiting queue (bootstrapped, nothing sent; the
+    sender is dropped without a word to decode) and for finished transfers (concluded:
+    nothing to do)."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    kv_mgr = getattr(sender, "kv_mgr", None)
+    context = prefill_transfer(kv_mgr) if kv_mgr is not None else None
+    if context is not None:
+        context.fail_unsent_room(kv_mgr, sender.bootstrap_room, "the prefill aborted the request before it ran")
+    return original(req, *args, **kwargs)
+
+
 def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, status, prefill_rank):
     """AROUND ``MooncakeKVManager.sync_status_to_decode_endpoint``: ahead of a Failed
     status, tell decode why (same socket, so decode reads the cause first)."""
@@ -102,5 +126,6 @@ def failure_exception_with_cause(original, receiver, *args, **kwargs):
 __all__ = [
     "prepare_prefill_transfer", "check_transfer_matches_pool", "filter_owned_pages", "enqueue_owned_chunk",
     "write_in_bounded_batches", "send_owned_state_pages", "send_aux_unless_failed",
-    "report_failure_cause_to_decode", "accept_failure_cause", "failure_exception_with_cause",
+    "fail_aborted_room_on_decode", "fail_unsent_room_on_release", "report_failure_cause_to_decode",
+    "accept_failure_cause", "failure_exception_with_cause",
 ]

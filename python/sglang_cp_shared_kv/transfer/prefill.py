@@ -21,12 +21,13 @@ import threading
 from typing import Any, Dict, List, Optional
 
 import numpy as np
+import zmq
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, is_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.nvtx import marked
-from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failure_cause
+from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failed_status, encode_failure_cause
 from sglang_cp_shared_kv.transfer.pages import (
     ChunkPositions,
     CpSharedKVTransferError,
@@ -132,6 +133,7 @@ class PrefillShardTransfer:
         self.counters = RankCounters(self.layout.cp_rank, getattr(kv_mgr.server_args, "enable_metrics", False))
         self.write_failures = WriteFailureHandOff()
         self._rejected = BoundedRooms()
+        self._abort_notices = AbortNotices()
         logger.info(
             "CP shared KV transfer: cp_rank=%d/%d sends only the pages it owns (MLA KV by request "
             "position, NSA index by sequence position); Mooncake batches of at most %d descriptors",
@@ -243,6 +245,34 @@ class PrefillShardTransfer:
         return original(kv_mgr, room, np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), True,
                         aux_index=0 if aux_index is None else aux_index, state_indices=None)
 
+    def fail_unsent_room(self, kv_mgr, room, why: str) -> bool:
+        """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now
+        instead of after its waiting timeout -- the cause, then SGLang's Failed status, to
+        every decode target of the room. Any chunk of the room still to come is dropped and
+        its aux write withheld. False when there is no one to tell (decode never registered
+        the room on this rank) or the room has concluded.
+
+        NOTE: sent from the caller's thread (SGLang's scheduler, which aborts), on sockets
+        only this path uses: SGLang clears the room's ``transfer_infos`` right after an
+        abort (``failure_exception`` -> ``clear``), so a chunk handed to its transfer
+        worker could find no target left; and its cached status sockets belong to the
+        worker threads."""
+        status = kv_mgr.request_status.get(room)
+        targets = [info for info in kv_mgr.transfer_infos.get(room, {}).values() if not info.is_dummy]
+        if not targets or status in (None, sg.KVPoll.Success, sg.KVPoll.Failed) or self._rejected.get(room):
+            return False
+        message = f"{self.who}: room {room} ends unsent: {why}"
+        self._rejected.put(room, message)
+        kv_mgr.record_failure(room, message)
+        self.stats.add(aborted_requests=1)
+        self.counters.count("failures", "aborted")
+        status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
+        for info in targets:
+            self._abort_notices.send(info.endpoint, info.dst_port, [
+                encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), status_frames])
+        logger.info("CP shared KV transfer: %s; decode told it failed (%d target(s))", message, len(targets))
+        return True
+
     # ----------------------------------------------------------- Mooncake writes
     def write(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
         """``_transfer_data`` in batches of at most ``max_descriptors_per_batch``."""
@@ -337,6 +367,42 @@ class PrefillShardTransfer:
         send_failure_cause(kv_mgr, remote, dst_port, room, text)
 
 
+def prefill_unique_rank(kv_mgr) -> int:
+    """The sender id decode counts responses by (SGLang 0.5.12.post1, mooncake/conn.py
+    ``transfer_worker``: one per attention-TP x PP x CP rank)."""
+    return (kv_mgr.attn_tp_rank * (kv_mgr.pp_size * kv_mgr.attn_cp_size)
+            + kv_mgr.pp_rank * kv_mgr.attn_cp_size + kv_mgr.attn_cp_rank)
+
+
+class AbortNotices:
+    """PUSH sockets to decode status endpoints, for the abort path only (see
+    :meth:`PrefillShardTransfer.fail_unsent_room`): one per endpoint, kept, behind one lock;
+    a message to an unreachable decode waits in ZMQ's queue and never blocks the caller."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._sockets: Dict[str, Any] = {}
+
+    def send(self, remote: str, dst_port: int, messages: List[List[bytes]]) -> None:
+        address = sg.NetworkAddress(remote, dst_port)
+        endpoint = address.to_tcp()
+        try:
+            with self._lock:
+                sock = self._sockets.get(endpoint)
+                if sock is None:
+                    sock = zmq.Context.instance().socket(zmq.PUSH)
+                    sock.setsockopt(zmq.LINGER, 0)
+                    if address.is_ipv6:
+                        sock.setsockopt(zmq.IPV6, 1)
+                    sock.connect(endpoint)
+                    self._sockets[endpoint] = sock
+                for frames in messages:
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except Exception as exc:  # decode then fails the room at its waiting timeout, as without us
+            logger.warning("CP shared KV transfer: could not tell decode %s that a room was aborted: %s",
+                           endpoint, exc)
+
+
 def send_failure_cause(kv_mgr, remote, dst_port, room, text: str) -> None:
     """The cause message (:mod:`.failure_cause`) to decode's status endpoint."""
     frames = encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, text)
@@ -372,5 +438,6 @@ def transfer_stats(kv_mgr) -> Optional[Dict[str, Any]]:
     return None if context is None else context.stats.snapshot()
 
 
-__all__ = ["WriteFailureHandOff", "PrefillShardTransfer", "send_failure_cause", "prefill_transfer",
+__all__ = ["WriteFailureHandOff", "PrefillShardTransfer", "AbortNotices", "prefill_unique_rank",
+           "send_failure_cause", "prefill_transfer",
            "transfer_stats"]

@@ -7,8 +7,9 @@ content (only the pages this rank owns, with shared KV; or sending what a given 
 already holds, ``room["content"] == "pool"``), and sending a room the way
 SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` per chunk), optionally killing
-this process mid-transfer or sending what stock SGLang sends for a prompt its prefill
-refused (``room["prefill_refused"]``) when the plan asks.
+this process mid-transfer, sending what stock SGLang sends for a prompt its prefill
+refused (``room["prefill_refused"]``) or aborting the request after bootstrap
+(``room["prefill_aborts"]``) when the plan asks.
 """
 
 from __future__ import annotations
@@ -155,6 +156,11 @@ class PrefillInstance:
             sender.init(num_pages, req.metadata_buffer_index)
             kill = room.get("kill") or {}
             first_send = time.time()
+            if room.get("prefill_aborts"):
+                # What SGLang's abort_request does to a request in its bootstrap or in-flight
+                # queue: MooncakeKVSender.abort(); no chunk is sent.
+                sender.abort()
+                ends = []
             for number, end in enumerate(ends, 1):
                 last = number == len(ends)
                 SchedulerDisaggregationPrefillMixin.send_kv_chunk(self, req, last_chunk=last,
