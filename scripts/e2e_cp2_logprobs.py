@@ -25,12 +25,21 @@ history the negative control lands clearly outside the spread; the startup logs 
 the same physical tokens per rank and twice the logical tokens. JSON summary on stdout
 and in --out.
 
+--stable-topk makes the comparison exact: every server runs with SGLang's NSA top-k
+kernels replaced by deterministic stand-ins (``sglang_cp_shared_kv.testing.stable_topk``:
+the same keys, in key order; the stock kernel returns them in the order of its atomics,
+which is what varies past index_topk). Then off_a and off_b must agree bit for bit at
+every position, so must on and off_a, and the negative control must differ somewhere.
+
+--tp 1 runs the flag-off servers only, without CP, on one GPU (off_a, off_b): the
+determinism probe, with and without --stable-topk.
+
 Each run's logprobs and startup figures are kept in --workdir, so the four servers can
 be run in separate invocations (--runs off_a,on then --runs off_b,on_corrupt); the
 report compares whatever runs the workdir holds and passes only when all four are there.
 
 Usage: python scripts/e2e_cp2_logprobs.py --out e2e.json [--runs off_a,off_b,on,on_corrupt]
-                                          [--kv-cache-dtype bfloat16]
+                                          [--kv-cache-dtype bfloat16] [--stable-topk] [--tp 1]
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ TINY_DSV32 = {
 RUNS = {  # name: (flag on, corrupt rank)
     "off_a": (False, None), "off_b": (False, None), "on": (True, None), "on_corrupt": (True, 1),
 }
+RUNS_WITHOUT_CP = ("off_a", "off_b")  # --tp 1: one GPU, no CP, so no flag
 
 
 def prompts():
@@ -82,8 +92,7 @@ def prompts():
 
 def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
-           "--skip-tokenizer-init", "--trust-remote-code", "--tp", "2", "--enable-nsa-prefill-context-parallel",
-           "--nsa-prefill-cp-mode", "in-seq-split", "--disable-custom-all-reduce", "--page-size", "64",
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.tp), "--page-size", "64",
            "--mem-fraction-static", "0.5", "--disable-cuda-graph", "--random-seed", "0", "--port", str(port),
            "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", str(CHUNK),
            "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch",
@@ -92,7 +101,12 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            "--skip-server-warmup", "--disable-overlap-schedule"]
     if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
         cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    if args.tp > 1:
+        cmd += ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+                "--disable-custom-all-reduce"]
     env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
+    if args.stable_topk:
+        env["CPSKV_E2E_STABLE_TOPK"] = "1"
     if flag_on:
         cmd.append("--enable-nsa-prefill-cp-shared-kv")
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
@@ -111,7 +125,8 @@ def startup_figures(log_text):
     physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
     shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
     return {"pool_tokens": sorted({int(x) for x in physical}),
-            "shared": sorted({(int(a), int(b)) for a, b in shared})}
+            "shared": sorted({(int(a), int(b)) for a, b in shared}),
+            "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k")}
 
 
 def compare(results, run, base, start):
@@ -127,15 +142,24 @@ def compare(results, run, base, start):
             "far_mean": sum(far) / len(far) if far else 0.0}
 
 
-def verdict(entry, has_history):
-    """Past index_topk every run differs from every other (top-k ties come back in varying
-    order), so "within the spread" compares the mean deviation, which is stable from run
-    to run, with a 25 % margin; a single maximum over ~1K noisy positions is not."""
-    spread, on, corrupt = entry["spread"], entry["on"], entry.get("corrupt")
-    checks = {"near_bit_identical": on["near_max"] == 0.0 and spread["near_max"] == 0.0,
-              "far_within_spread": on["far_mean"] <= 1.25 * spread["far_mean"]}
-    if has_history:  # the control corrupts a gathered history page: only prompts with history see it
-        checks["control_detected"] = max(corrupt["near_max"], corrupt["far_max"]) > 5 * max(spread["far_max"], 1e-3)
+def verdict(entry, has_history, exact):
+    """With the stock top-k, past index_topk every run differs from every other (the
+    kernel returns the keys in a varying order), so "within the spread" compares the mean
+    deviation, which is stable from run to run, with a 25 % margin; a single maximum over
+    ~1K noisy positions is not. With the stable top-k (``exact``) every difference counts."""
+    spread, on, corrupt = entry["spread"], entry.get("on"), entry.get("corrupt")
+    identical = lambda d: d["near_max"] == 0.0 and d["far_max"] == 0.0  # noqa: E731
+    checks = {"repeat_bit_identical" if exact else "repeat_near_bit_identical":
+              identical(spread) if exact else spread["near_max"] == 0.0}
+    if on is not None:
+        if exact:
+            checks["on_bit_identical"] = identical(on)
+        else:
+            checks["near_bit_identical"] = on["near_max"] == 0.0
+            checks["far_within_spread"] = on["far_mean"] <= 1.25 * spread["far_mean"]
+    if corrupt is not None and has_history:  # the control corrupts a gathered history page
+        worst = max(corrupt["near_max"], corrupt["far_max"])
+        checks["control_detected"] = worst > 0.0 if exact else worst > 5 * max(spread["far_max"], 1e-3)
     return checks
 
 
@@ -146,19 +170,25 @@ def main():
     ap.add_argument("--kv-cache-dtype", default="bfloat16")
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--boot-timeout", type=int, default=420)
-    ap.add_argument("--runs", default=",".join(RUNS), help="servers to run now (comma-separated)")
+    ap.add_argument("--runs", default=None, help="servers to run now (comma-separated; default: all of the layout)")
+    ap.add_argument("--tp", type=int, choices=(1, 2), default=2,
+                    help="2: CP2 in-seq-split on two GPUs (default); 1: one GPU, no CP, flag-off runs only")
+    ap.add_argument("--stable-topk", action="store_true",
+                    help="deterministic NSA top-k in every server: demand bit equality at every position")
     args = ap.parse_args()
-    selected = [r for r in args.runs.split(",") if r]
-    unknown = sorted(set(selected) - set(RUNS))
+    layout_runs = list(RUNS) if args.tp == 2 else list(RUNS_WITHOUT_CP)
+    selected = layout_runs if args.runs is None else [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(selected) - set(layout_runs))
     if unknown:
-        ap.error(f"unknown runs {unknown}; choose from {list(RUNS)}")
+        ap.error(f"runs {unknown} are not part of --tp {args.tp}; choose from {layout_runs}")
+    tag = f"{args.kv_cache_dtype}.tp{args.tp}" + (".stable-topk" if args.stable_topk else "")
     work = Path(args.workdir)
     model = write_model(work / "tiny-dsv32", TINY_DSV32)
     os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     requests = prompts()
     for name in selected:
         flag_on, corrupt = RUNS[name]
-        log_path = work / f"{name}.log"
+        log_path = work / f"{name}.{tag}.log"
         t0 = time.monotonic()
         proc = launch(name, flag_on, corrupt, str(model), args.port, args, log_path)
         run = {"boot_s": round(time.monotonic() - t0, 1), "logprobs": {}}
@@ -170,13 +200,17 @@ def main():
         finally:
             stop(proc)
         run["startup"] = startup_figures(log_path.read_text())
-        (work / f"{name}.{args.kv_cache_dtype}.json").write_text(json.dumps(run))
-    runs = {name: json.loads((work / f"{name}.{args.kv_cache_dtype}.json").read_text())
-            for name in RUNS if (work / f"{name}.{args.kv_cache_dtype}.json").exists()}
-    report = {"kv_cache_dtype": args.kv_cache_dtype, "index_topk": INDEX_TOPK, "runs": sorted(runs),
+        if args.stable_topk and not run["startup"]["stable_topk_processes"]:
+            raise SystemExit(f"{name}: --stable-topk, but no server process reported the deterministic top-k "
+                             f"(scripts/e2e on PYTHONPATH?); see {log_path}")
+        (work / f"{name}.{tag}.json").write_text(json.dumps(run))
+    runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
+            for name in layout_runs if (work / f"{name}.{tag}.json").exists()}
+    report = {"kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "stable_topk": args.stable_topk,
+              "index_topk": INDEX_TOPK, "runs": sorted(runs),
               "timings": {name: {"boot_s": run["boot_s"]} for name, run in runs.items()},
               "startup": {name: run["startup"] for name, run in runs.items()}, "prompts": {}}
-    complete = set(runs) == set(RUNS)
+    complete = set(runs) == set(layout_runs)
     ok = complete
     for prompt in requests:
         start = requests[prompt][1]
@@ -189,7 +223,7 @@ def main():
             entry["on_vs_off_b"] = compare(results, "on", "off_b", start)
         if complete:
             has_history = start > 0 or len(requests[prompt][0]) > CHUNK
-            entry["checks"] = verdict(entry, has_history)
+            entry["checks"] = verdict(entry, has_history, args.stable_topk)
             entry["pass"] = all(entry["checks"].values())
             ok &= entry["pass"]
         report["prompts"][prompt] = entry

@@ -9,7 +9,8 @@
 #   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
 #   BENCH=0 skips the benchmarks; E2E="off_a,on,..." runs those servers of
 #   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
-#   machine stays warm, logs are copied to $out); TTFT="--runs 5 ..." runs
+#   machine stays warm, logs are copied to $out; E2E_ARGS="--stable-topk" adds options,
+#   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,7 +41,8 @@ if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
 fi
 if [ -n "${E2E:-}" ]; then
-  python3 scripts/e2e_cp2_logprobs.py --runs "$E2E" --workdir "$HOME/e2e-work" --out "$out/e2e.json" \
+  runs=(--runs "$E2E"); [ "$E2E" = all ] && runs=()
+  python3 scripts/e2e_cp2_logprobs.py "${runs[@]}" ${E2E_ARGS:-} --workdir "$HOME/e2e-work" --out "$out/e2e.json" \
     > "$out/e2e.txt" 2>&1 || status=1
   cp "$HOME"/e2e-work/*.log "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
   tail -40 "$out/e2e.txt"

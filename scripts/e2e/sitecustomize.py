@@ -8,7 +8,11 @@ scheduler processes SGLang spawns. It
   seeded by the parameter's name (every TP shard of a parameter gets the same values);
 * with CPSKV_E2E_CORRUPT_RANK=r, zeroes the first gathered history page of every MLA
   dense view on CP rank r: the negative control that must land outside the flag-off
-  run-to-run spread.
+  run-to-run spread;
+* with CPSKV_E2E_STABLE_TOPK=1, replaces SGLang's NSA top-k kernels (``sgl_kernel``) by
+  the deterministic stand-ins of ``sglang_cp_shared_kv.testing.stable_topk`` (same keys,
+  in key order), so that repeated runs -- flag off and on alike -- are bit-identical
+  past index_topk keys too.
 """
 
 import importlib.abc
@@ -56,6 +60,17 @@ if os.environ.get("CPSKV_E2E") == "1":
     if os.environ.get("CPSKV_E2E_CORRUPT_RANK"):
         _PATCHES["sglang_cp_shared_kv.forward.materialize"] = lambda m: setattr(
             m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
+
+    def _stable_topk(module):
+        from sglang_cp_shared_kv.testing.stable_topk import STAND_INS
+
+        for name, stand_in in STAND_INS.items():
+            setattr(module, name, stand_in)
+        print(f"[cpskv-e2e] deterministic NSA top-k (pid {os.getpid()})", flush=True)
+
+    if os.environ.get("CPSKV_E2E_STABLE_TOPK") == "1":
+        # sgl_kernel/__init__ binds the names from sgl_kernel.top_k right after it runs
+        _PATCHES["sgl_kernel.top_k"] = _stable_topk
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):
         """Patch a module right after it executes, before anything binds its names."""
