@@ -52,23 +52,10 @@ import sys
 import time
 from pathlib import Path
 
-from sglang_cp_shared_kv.testing.server import e2e_env, post, start_server, stop, write_model
+from sglang_cp_shared_kv.testing.server import TINY_DSV32, e2e_env, post, start_server, stop, write_model
 
-INDEX_TOPK = 2048
+INDEX_TOPK = TINY_DSV32["index_topk"]
 CHUNK = 2048  # --chunked-prefill-size
-TINY_DSV32 = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 2,
-    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
-    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_head_dim": 128,
-    "index_n_heads": 64, "index_topk": INDEX_TOPK, "vocab_size": 8192, "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
-    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
-    # read by the in-seq-split (deepep) layer construction even though every layer is dense
-    "moe_layer_freq": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-}
 RUNS = {  # name: (flag on, corrupt rank)
     "off_a": (False, None), "off_b": (False, None), "on": (True, None), "on_corrupt": (True, 1),
 }

@@ -11,7 +11,11 @@
 #   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
 #   machine stays warm, logs are copied to $out; E2E_ARGS="--stable-topk" adds options,
 #   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
-#   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out).
+#   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out);
+#   PD="--layout tp1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
+#   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out).
+# Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
+# DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -21,6 +25,12 @@ site=$HOME/gpu-site
 if [ ! -d "$site/sglang" ]; then
   mkdir -p "$site" && tar -xJf .gpu-site/site312.tar.xz -C "$site"
   python3 -m pip install -q --no-deps --no-index --target "$site" .wheels/*.whl
+fi
+if [ -f .gpu-site/mooncake-cuda13.tar.xz ] && [ ! -f "$site/mooncake/engine.so" ]; then
+  tar -xJf .gpu-site/mooncake-cuda13.tar.xz -C "$site"
+fi
+if [ -f .gpu-site/jit-cache.tar.xz ] && [ ! -d "$HOME/.cache/tvm-ffi" ]; then
+  tar -xJf .gpu-site/jit-cache.tar.xz -C "$HOME"
 fi
 # The plugin travels as source on PYTHONPATH; SGLang finds plugins by entry point, so
 # give it the entry point of an installed distribution.
@@ -32,6 +42,7 @@ if [ ! -f "$dist/entry_points.txt" ]; then
     | sed -e '1s/.*/[sglang.srt.plugins]/' -e 's/"//g' > "$dist/entry_points.txt"
 fi
 export PYTHONPATH="$site:$root/python:$root/sgl-kernel/python"
+export LD_LIBRARY_PATH="$site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # rdma-core/numa for Mooncake
 export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
@@ -52,6 +63,12 @@ if [ -n "${TTFT:-}" ]; then
     > "$out/bench_e2e_ttft.txt" 2>&1 || status=1
   cp "$HOME"/ttft-work/*.log "$out"/ 2>/dev/null
   tail -20 "$out/bench_e2e_ttft.txt"
+fi
+if [ -n "${PD:-}" ]; then
+  python3 scripts/e2e_pd_gpu.py $PD --workdir "$HOME/pd-work" --out "$out/e2e_pd_gpu.json" \
+    > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
+  tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
+  grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
 fi
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do

@@ -9,6 +9,9 @@ scheduler processes SGLang spawns. It
 * with CPSKV_E2E_CORRUPT_RANK=r, zeroes the first gathered history page of every MLA
   dense view on CP rank r: the negative control that must land outside the flag-off
   run-to-run spread;
+* with CPSKV_E2E_CORRUPT_SEND_RANK=r, prefill CP rank r sends each chunk's first two
+  owned pages swapped (each lands on decode at the other's position): the PD negative
+  control (scripts/e2e_pd_gpu.py), which decode's output must show;
 * with CPSKV_E2E_STABLE_TOPK=1, replaces SGLang's NSA top-k kernels (``sgl_kernel``) by
   the deterministic stand-ins of ``sglang_cp_shared_kv.testing.stable_topk`` (same keys,
   in key order), so that repeated runs -- flag off and on alike -- are bit-identical
@@ -60,6 +63,23 @@ if os.environ.get("CPSKV_E2E") == "1":
     if os.environ.get("CPSKV_E2E_CORRUPT_RANK"):
         _PATCHES["sglang_cp_shared_kv.forward.materialize"] = lambda m: setattr(
             m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
+
+    def _swapping_sends(module, rank):
+        owned_pages = module.PrefillShardTransfer.owned_pages
+
+        def swapped(self, logical_pages, index_slice):
+            physical, positions = owned_pages(self, logical_pages, index_slice)
+            if self.layout.cp_rank == rank and len(physical) >= 2:
+                physical = physical.copy()
+                physical[[0, 1]] = physical[[1, 0]]
+            return physical, positions
+
+        module.PrefillShardTransfer.owned_pages = swapped
+        print(f"[cpskv-e2e] CP rank {rank} sends swapped pages (pid {os.getpid()})", flush=True)
+
+    if os.environ.get("CPSKV_E2E_CORRUPT_SEND_RANK"):
+        _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = lambda m: _swapping_sends(
+            m, int(os.environ["CPSKV_E2E_CORRUPT_SEND_RANK"]))
 
     def _stable_topk(module):
         from sglang_cp_shared_kv.testing.stable_topk import STAND_INS

@@ -22,6 +22,22 @@ from typing import Dict, List, Optional
 ROOT = Path(__file__).resolve().parents[3]
 E2E_SITE = ROOT / "scripts" / "e2e"
 
+#: A tiny random DeepSeek-V3.2 (2 dense layers, index_topk 2048) that SGLang 0.5.12.post1
+#: serves on one or two H200s (bf16 and fp8 KV); ``--load-format dummy`` gives its weights.
+TINY_DSV32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 2,
+    "hidden_size": 1024, "intermediate_size": 2048, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_head_dim": 128,
+    "index_n_heads": 64, "index_topk": 2048, "vocab_size": 8192, "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16", "rms_norm_eps": 1e-6, "rope_theta": 10000, "hidden_act": "silu",
+    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    # read by the in-seq-split (deepep) layer construction even though every layer is dense
+    "moe_layer_freq": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}
+
 
 def write_model(directory: Path, config: Dict) -> Path:
     """A model directory holding only ``config.json`` (weights: ``--load-format dummy``)."""
@@ -84,4 +100,4 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-__all__ = ["ROOT", "E2E_SITE", "write_model", "e2e_env", "post", "start_server", "stop"]
+__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop"]

@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""End to end PD on GPUs: what a decode server answers from a shared-KV CP prefill must be
+what it answers from a stock prefill, bit for bit.
+
+Layout ``cp2`` (default; two GPUs, the deployment of docs/deploy.md in small): prefill TP2
++ NSA prefill CP2 in-seq-split on GPUs 0-1 (``--mem-fraction-static 0.45``, started
+first), decode TP1 on GPU 0 (``--base-gpu-id 0 --mem-fraction-static 0.85``, started once
+the prefill is up: SGLang refuses the other order as "memory capacity is unbalanced"),
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both, Mooncake (TCP where there is no
+RDMA device). Layout ``tp1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs
+only -- the script, the Mooncake CUDA 13 install and stock PD on one H200.
+
+Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 as
+``scripts/e2e_cp2_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``):
+
+  off         flag off, prefill pool ``--max-total-tokens POOL`` (per rank)
+  off_b       the same again: run-to-run determinism
+  off_big     flag off, a prefill pool that holds the over-pool prompt: its reference
+  on          flag on, POOL physical tokens per rank (2 x POOL logical)       [cp2]
+  on_corrupt  flag on, CP rank 1 sends each chunk's first two pages swapped   [cp2]
+
+Each run posts every prompt to both servers with one bootstrap room: ``short`` (one
+chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first 4,096 tokens
+from the prefill's radix cache + 1,000 new), ``over_pool`` (1.5 x POOL tokens: more than
+one prefill rank holds). Decode generates 8 tokens greedily with their logprobs.
+
+Both servers run SGLang's NSA top-k kernels replaced by the deterministic stand-ins of
+``sglang_cp_shared_kv.testing.stable_topk`` (``--stock-topk`` keeps the kernels; then
+only positions <= index_topk are exact -- see docs/design.md), so the verdict is exact:
+
+* off_b = off, on = off, and over_pool of on = over_pool of off_big: decode's token ids
+  and logprobs bit-identical (prompts the baseline answered);
+* on_corrupt: every prompt's decode answer differs from on's, or fails;
+* over_pool in off (stock SGLang refuses the prompt on prefill) is recorded, not judged:
+  stock decode answers it from KV that never arrived (docs/troubleshooting.md).
+
+Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
+later call while the machine is warm); the report compares what is there and passes only
+when every run of the layout is. JSON to --out and stdout.
+
+Usage: python scripts/e2e_pd_gpu.py --out pd.json [--layout cp2|tp1] [--runs off,on,...]
+                                    [--kv-cache-dtype bfloat16|fp8_e4m3] [--stock-topk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+import urllib.error
+from pathlib import Path
+
+from sglang_cp_shared_kv.testing.server import TINY_DSV32, e2e_env, post, start_server, stop, write_model
+
+CHUNK = 2048  # --chunked-prefill-size
+POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
+BIG_POOL = 32768
+NEW_TOKENS = 8
+MODEL = {**TINY_DSV32, "max_position_embeddings": 32768}
+RUNS = {  # name: (flag on, prefill pool, corrupt-send rank)
+    "off": (False, POOL, None), "off_b": (False, POOL, None), "off_big": (False, BIG_POOL, None),
+    "on": (True, POOL, None), "on_corrupt": (True, POOL, 1),
+}
+LAYOUT_RUNS = {"cp2": list(RUNS), "tp1": ["off", "off_b", "off_big"]}
+#: (run, baseline, prompts): decode answers that must be bit-identical
+EXACT = (("off_b", "off", ("short", "chunked", "radix_hit")),
+         ("on", "off", ("short", "chunked", "radix_hit")),
+         ("on", "off_big", ("over_pool",)))
+
+
+def prompts():
+    import numpy as np
+
+    def tokens(seed, n):
+        return np.random.default_rng(seed).integers(2, MODEL["vocab_size"], size=n).tolist()
+
+    chunked = tokens(2, 4 * CHUNK - 500)
+    return {
+        "short": tokens(1, 1500),
+        "chunked": chunked,
+        "radix_hit": chunked[:2 * CHUNK] + tokens(3, 1000),
+        "over_pool": tokens(4, POOL * 3 // 2),
+    }
+
+
+def server_commands(args, flag_on, pool, ports):
+    """(prefill cmd, decode cmd) of one run."""
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--load-format",
+            "dummy", "--skip-tokenizer-init", "--trust-remote-code", "--page-size", "64", "--disable-cuda-graph",
+            "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch", "--random-seed", "0",
+            "--kv-cache-dtype", args.kv_cache_dtype, "--disaggregation-transfer-backend", "mooncake",
+            "--host", "127.0.0.1"]
+    if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
+        base += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
+                      "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
+                      "--max-total-tokens", str(pool)]
+    decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
+    if args.layout == "cp2":
+        prefill += ["--tp", "2", "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+                    "--disable-custom-all-reduce", "--mem-fraction-static", "0.45"]
+        decode += ["--tp", "1", "--mem-fraction-static", "0.85"]
+    else:  # both on GPU 0: what the prefill leaves
+        prefill += ["--tp", "1", "--mem-fraction-static", "0.3"]
+        decode += ["--tp", "1", "--mem-fraction-static", "0.3"]
+    if flag_on:
+        prefill.append("--enable-nsa-prefill-cp-shared-kv")
+    return prefill, decode
+
+
+def run_env(args, corrupt_rank):
+    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+                   "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
+                   # a refused or lost request fails within a minute instead of 300 s
+                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"})
+    if not args.stock_topk:
+        env["CPSKV_E2E_STABLE_TOPK"] = "1"
+    if corrupt_rank is not None:
+        env["CPSKV_E2E_CORRUPT_SEND_RANK"] = str(corrupt_rank)
+    return env
+
+
+def _answer(port, body, out, key):
+    t0 = time.monotonic()
+    try:
+        result = post(port, "/generate", body, timeout=300)
+        out[key] = {"status": "ok", "response": result}
+    except urllib.error.HTTPError as exc:
+        out[key] = {"status": "http_error", "code": exc.code, "error": exc.read().decode(errors="replace")[-2000:]}
+    except Exception as exc:  # noqa: BLE001 -- recorded, judged by the verdict
+        out[key] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+    out[key]["elapsed_s"] = round(time.monotonic() - t0, 3)
+
+
+def generate_pd(ports, ids, room):
+    """Post one prompt to prefill and decode (one bootstrap room); decode's answer as
+    {status, ids, logprobs, finish_reason, error}, and the prefill's status."""
+    body = {"input_ids": ids, "return_logprob": True, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": ports["bootstrap"], "bootstrap_room": room,
+            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    out = {}
+    workers = [threading.Thread(target=_answer, args=(ports[side], body, out, side)) for side in ("prefill", "decode")]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"decode": summarize_decode(out["decode"]), "prefill": {k: v for k, v in out["prefill"].items()
+                                                                    if k != "response"}}
+
+
+def summarize_decode(answer):
+    """The parts of decode's answer the verdict compares."""
+    if answer["status"] != "ok":
+        return {k: answer[k] for k in ("status", "error", "elapsed_s") if k in answer}
+    meta = answer["response"].get("meta_info", {})
+    finish = meta.get("finish_reason") or {}
+    entry = {"status": "ok", "elapsed_s": answer["elapsed_s"], "ids": answer["response"].get("output_ids"),
+             "logprobs": [x[0] for x in meta.get("output_token_logprobs", [])], "finish_reason": finish}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        entry["status"] = "aborted"
+        entry["error"] = finish.get("message")
+    return entry
+
+
+def same_answer(a, b):
+    """Bit-identical decode answers (both answered)."""
+    return a["status"] == b["status"] == "ok" and a["ids"] == b["ids"] and a["logprobs"] == b["logprobs"]
+
+
+def max_logprob_gap(a, b):
+    if a.get("status") != "ok" or b.get("status") != "ok" or len(a["logprobs"]) != len(b["logprobs"]):
+        return None
+    return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
+
+
+def startup_figures(log_text):
+    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
+    shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
+    return {"pool_tokens": sorted({int(x) for x in physical}),
+            "shared": sorted({(int(a), int(b)) for a, b in shared}),
+            "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k"),
+            "corrupting_processes": log_text.count("sends swapped pages")}
+
+
+def verdict(runs):
+    """Checks over the runs present (see the module docstring)."""
+    checks = {}
+    for run, base, names in EXACT:
+        if run in runs and base in runs:
+            for name in names:
+                checks[f"{run}={base}:{name}"] = same_answer(runs[run]["prompts"][name]["decode"],
+                                                             runs[base]["prompts"][name]["decode"])
+    if "off_big" in runs:
+        checks["off_big answers over_pool"] = runs["off_big"]["prompts"]["over_pool"]["decode"]["status"] == "ok"
+    if "on_corrupt" in runs and "on" in runs:
+        for name, answer in runs["on_corrupt"]["prompts"].items():
+            checks[f"on_corrupt detected:{name}"] = not same_answer(answer["decode"],
+                                                                    runs["on"]["prompts"][name]["decode"])
+    return checks
+
+
+def run_servers(name, args, work, room_base):
+    flag_on, pool, corrupt = RUNS[name]
+    ports = {"prefill": args.port, "decode": args.port + 1, "bootstrap": args.port + 2}
+    prefill_cmd, decode_cmd = server_commands(args, flag_on, pool, ports)
+    env = run_env(args, corrupt)
+    logs = {side: work / f"{name}.{args.tag}.{side}.log" for side in ("prefill", "decode")}
+    run = {"flag_on": flag_on, "prefill_pool": pool, "prompts": {}, "commands": {"prefill": prefill_cmd,
+                                                                                "decode": decode_cmd}}
+    t0 = time.monotonic()
+    procs = [start_server(f"{name} prefill", prefill_cmd, env, ports["prefill"], logs["prefill"], args.boot_timeout)]
+    try:
+        procs.append(start_server(f"{name} decode", decode_cmd, env, ports["decode"], logs["decode"],
+                                  args.boot_timeout))
+        run["boot_s"] = round(time.monotonic() - t0, 1)
+        for i, (prompt, ids) in enumerate(prompts().items()):
+            if prompt != "radix_hit":  # the radix-hit prompt reuses the chunked prompt's cached prefix
+                post(ports["prefill"], "/flush_cache")
+            run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
+            print(f"[e2e-pd] {name} {prompt}: decode {run['prompts'][prompt]['decode']['status']} "
+                  f"in {run['prompts'][prompt]['decode']['elapsed_s']} s", flush=True)
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+    run["startup"] = {side: startup_figures(path.read_text()) for side, path in logs.items()}
+    if not args.stock_topk and not run["startup"]["decode"]["stable_topk_processes"]:
+        raise SystemExit(f"{name}: no server process reported the deterministic top-k (scripts/e2e on "
+                         f"PYTHONPATH?); see {logs['decode']}")
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="e2e_pd_gpu.json")
+    ap.add_argument("--workdir", default="e2e-pd-work")
+    ap.add_argument("--layout", choices=sorted(LAYOUT_RUNS), default="cp2")
+    ap.add_argument("--runs", default=None, help="runs to start now (comma-separated; default: all of the layout)")
+    ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
+    ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
+    ap.add_argument("--port", type=int, default=32000, help="prefill port; decode +1, bootstrap +2")
+    ap.add_argument("--boot-timeout", type=int, default=600)
+    args = ap.parse_args()
+    layout_runs = LAYOUT_RUNS[args.layout]
+    selected = layout_runs if args.runs is None else [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(selected) - set(layout_runs))
+    if unknown:
+        ap.error(f"runs {unknown} are not part of --layout {args.layout}; choose from {layout_runs}")
+    args.tag = f"{args.layout}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
+    work = Path(args.workdir)
+    args.model = write_model(work / "tiny-dsv32-32k", MODEL)
+    for name in selected:
+        run = run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1))
+        (work / f"{name}.{args.tag}.json").write_text(json.dumps(run))
+    runs = {name: json.loads((work / f"{name}.{args.tag}.json").read_text())
+            for name in layout_runs if (work / f"{name}.{args.tag}.json").exists()}
+    checks = verdict(runs)
+    report = {"layout": args.layout, "kv_cache_dtype": args.kv_cache_dtype, "stable_topk": not args.stock_topk,
+              "runs": sorted(runs), "checks": checks,
+              "decode": {name: {prompt: {k: v for k, v in entry["decode"].items() if k != "logprobs"}
+                                for prompt, entry in run["prompts"].items()} for name, run in runs.items()},
+              "max_logprob_gap": {f"{run}-{base}": {p: max_logprob_gap(runs[run]["prompts"][p]["decode"],
+                                                                       runs[base]["prompts"][p]["decode"])
+                                                    for p in runs[run]["prompts"]}
+                                  for run, base in {(r, b) for r, b, _ in EXACT} | {("on_corrupt", "on")}
+                                  if run in runs and base in runs},
+              "prefill": {name: {p: e["prefill"] for p, e in run["prompts"].items()} for name, run in runs.items()},
+              "startup": {name: run["startup"] for name, run in runs.items()},
+              "boot_s": {name: run.get("boot_s") for name, run in runs.items()}}
+    if "off" in runs and "off_big" in runs:  # stock SGLang and a prompt its prefill refused: recorded
+        answer = runs["off"]["prompts"]["over_pool"]["decode"]
+        reference = runs["off_big"]["prompts"]["over_pool"]["decode"]
+        report["stock_refused_prompt"] = {
+            "decode_status": answer["status"], "first_logprobs": answer.get("logprobs", [])[:2],
+            "same_as_reference": same_answer(answer, reference),
+            "note": "flag off, prompt over the prefill's input limit: what stock decode answered"}
+    report["pass"] = set(runs) == set(layout_runs) and bool(checks) and all(checks.values())
+    text = json.dumps(report, indent=1)
+    Path(args.out).write_text(text)
+    print(text)
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

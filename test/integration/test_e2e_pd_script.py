@@ -1,0 +1,117 @@
+"""scripts/e2e_pd_gpu.py on CPU: the server commands SGLang's parser accepts, the decode
+answer it records (answered, aborted, HTTP error), the verdict (exact, and a negative
+control that must show), and the PD corruption switch of scripts/e2e/sitecustomize.py."""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cp_shared_kv.testing.support import load_script
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def pd():
+    return load_script("e2e_pd_gpu")
+
+
+def _args(pd, layout, dtype="bfloat16"):
+    return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, layout=layout, stock_topk=False)
+
+
+@pytest.mark.parametrize("layout,flag_on", [("cp2", False), ("cp2", True), ("tp1", False)])
+def test_server_commands_parse_with_sglangs_parser(pd, layout, flag_on):
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_cp_shared_kv.config import FLAG
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument(FLAG, action="store_true")
+    ports = {"prefill": 1, "decode": 2, "bootstrap": 3}
+    prefill, decode = pd.server_commands(_args(pd, layout), flag_on, pd.POOL, ports)
+    p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
+    d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
+    assert (p.disaggregation_mode, d.disaggregation_mode) == ("prefill", "decode")
+    assert p.max_total_tokens == pd.POOL and p.disaggregation_bootstrap_port == 3 and d.base_gpu_id == 0
+    assert p.tensor_parallel_size == (2 if layout == "cp2" else 1) and d.tensor_parallel_size == 1
+    assert p.enable_nsa_prefill_context_parallel == (layout == "cp2")
+    assert (FLAG in prefill) == flag_on and FLAG not in decode
+
+
+def test_the_over_pool_prompt_exceeds_one_rank_and_fits_two(pd):
+    prompts = pd.prompts()
+    assert pd.POOL < len(prompts["over_pool"]) < 2 * pd.POOL <= pd.BIG_POOL
+    chunked, radix = prompts["chunked"], prompts["radix_hit"]
+    assert len(chunked) > 3 * pd.CHUNK and radix[:2 * pd.CHUNK] == chunked[:2 * pd.CHUNK]
+    assert len(prompts["chunked"]) + pd.NEW_TOKENS <= pd.MODEL["max_position_embeddings"]
+
+
+def test_decode_answers_are_recorded_as_answered_aborted_or_failed(pd):
+    ok = pd.summarize_decode({"status": "ok", "elapsed_s": 0.2, "response": {
+        "output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length"},
+                                            "output_token_logprobs": [[-1.5, 5, None], [-0.25, 6, None]]}}})
+    assert ok["status"] == "ok" and ok["ids"] == [5, 6] and ok["logprobs"] == [-1.5, -0.25]
+    aborted = pd.summarize_decode({"status": "ok", "elapsed_s": 0.1, "response": {
+        "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "cause: prefill CP rank 1"}}}})
+    assert aborted["status"] == "aborted" and "prefill CP rank 1" in aborted["error"]
+    failed = pd.summarize_decode({"status": "http_error", "code": 500, "error": "boom", "elapsed_s": 1.0})
+    assert failed == {"status": "http_error", "error": "boom", "elapsed_s": 1.0}
+    assert not pd.same_answer(aborted, aborted) and pd.same_answer(ok, dict(ok))
+
+
+def _runs(pd, corrupt_differs=True, on_gap=0.0):
+    def answer(value):
+        return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0]}, "prefill": {"status": "ok"}}
+
+    base = {name: answer(-0.5) for name in pd.prompts()}
+    runs = {name: {"prompts": dict(base)} for name in pd.LAYOUT_RUNS["cp2"]}
+    runs["off"]["prompts"]["over_pool"] = {"decode": {"status": "ok", "ids": [0, 0], "logprobs": [0.0, 0.0]}}
+    runs["on"] = {"prompts": {name: answer(-0.5 + on_gap) for name in base}}
+    runs["on_corrupt"] = {"prompts": {name: answer(-0.7 if corrupt_differs else -0.5 + on_gap) for name in base}}
+    return runs
+
+
+def test_verdict_is_exact_and_needs_the_control_to_show(pd):
+    checks = pd.verdict(_runs(pd))
+    assert all(checks.values()) and "on=off_big:over_pool" in checks and "on=off:over_pool" not in checks
+    assert len([c for c in checks if c.startswith("on_corrupt detected")]) == 4
+    assert not pd.verdict(_runs(pd, on_gap=1e-7))["on=off:short"]  # one ulp-sized gap fails
+    assert not pd.verdict(_runs(pd, corrupt_differs=False))["on_corrupt detected:chunked"]
+    tp1 = {name: run for name, run in _runs(pd).items() if name in pd.LAYOUT_RUNS["tp1"]}
+    assert set(pd.verdict(tp1)) == {"off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit",
+                                    "off_big answers over_pool"}
+
+
+SWAP_CHECK = """
+import numpy as np
+from types import SimpleNamespace
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.transfer.prefill import PrefillShardTransfer
+for rank in (0, 1):
+    me = SimpleNamespace(layout=CpSharedKVLayout(cp_size=2, cp_rank=rank, page_size=64))
+    physical, positions = PrefillShardTransfer.owned_pages(me, np.arange(1, 9), slice(0, 8))
+    print("RANK", rank, list(physical), list(positions))
+"""
+
+
+def test_pd_corruption_switch_swaps_only_the_named_ranks_pages():
+    def run(extra):
+        env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"),
+                                                                     str(ROOT / "python")])}
+        out = subprocess.run([sys.executable, "-c", SWAP_CHECK], capture_output=True, text=True, env=env,
+                             timeout=180)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [line for line in out.stdout.splitlines() if line.startswith("RANK")]
+
+    stock = run({})
+    corrupt = run({"CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_SEND_RANK": "1"})
+    assert corrupt[0] == stock[0]  # rank 0 untouched
+    stock_pages, corrupt_pages = stock[1].split("]")[0], corrupt[1].split("]")[0]
+    assert stock_pages != corrupt_pages and sorted(stock_pages) == sorted(corrupt_pages)
+    assert stock[1].split("]")[1] == corrupt[1].split("]")[1]  # the same positions
