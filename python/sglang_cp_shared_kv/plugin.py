@@ -50,11 +50,14 @@ HOOKS = (
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
-    # an aborted request: decode told at once (bootstrap/in-flight queues; waiting queue)
+    # an aborted request: decode told at once (bootstrap/in-flight queues; waiting queue;
+    # aborted before decode registered it: told when it registers)
     HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
              "around"),
     HookSpec("sglang.srt.disaggregation.prefill.release_req_to_metadata_buffer",
              transfer.fail_unsent_room_on_release, "around"),
+    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
+             "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
              transfer.report_failure_cause_to_decode, "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),

@@ -50,7 +50,12 @@ _STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 # NOTE: stock SGLang 0.5.12.post1 picks flashmla_kv for fp8_e4m3 KV on Hopper; with
 # in-seq-split CP2 it fails at the first prefill ("RuntimeError: num_splits must have shape
 # (b+1)", flag off too), while flashmla_sparse for both serves it (two H200s, 2026-11-30).
+# Why: the backend builds FlashMLA's scheduler metadata for every token of the chunk, the
+# in-seq split leaves the rank about chunk / N query rows (only the round-robin split cuts
+# the metadata down); scripts/repro_flashmla_kv_in_seq_split.py shows it on one H200.
+# flashmla_auto resolves to flashmla_kv for fp8 KV on Hopper, so it fails the same way.
 FP8_IN_SEQ_SPLIT_CRASHING_BACKEND = "flashmla_kv"
+FP8_IN_SEQ_SPLIT_CRASHING_PREFILL_BACKENDS = ("flashmla_kv", "flashmla_auto")
 FP8_IN_SEQ_SPLIT_BACKEND = "flashmla_sparse"
 _NSA_BACKEND_SIDES = ("prefill", "decode")
 #: The flag value ``from_cli_args`` is building a ``ServerArgs`` for (its ``cls(**fields)``
@@ -182,11 +187,14 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "its KV reads bypass the dense view shared KV materializes; use one of "
                f"{', '.join(SUPPORTED_NSA_PREFILL_BACKENDS)} (the Hopper defaults are supported).")
     if server_args.kv_cache_dtype == "fp8_e4m3" and server_args.nsa_prefill_cp_mode == "in-seq-split":
-        chosen = [f"--nsa-{side}-backend {FP8_IN_SEQ_SPLIT_CRASHING_BACKEND}" for side in _NSA_BACKEND_SIDES
-                  if getattr(server_args, f"nsa_{side}_backend", None) == FP8_IN_SEQ_SPLIT_CRASHING_BACKEND]
+        crashing = {"prefill": FP8_IN_SEQ_SPLIT_CRASHING_PREFILL_BACKENDS,
+                    "decode": (FP8_IN_SEQ_SPLIT_CRASHING_BACKEND,)}
+        chosen = [f"--nsa-{side}-backend {getattr(server_args, f'nsa_{side}_backend', None)}"
+                  for side in _NSA_BACKEND_SIDES if getattr(server_args, f"nsa_{side}_backend", None) in crashing[side]]
         if chosen:
             refuse(" ".join(chosen) + " with --kv-cache-dtype fp8_e4m3",
-                   "SGLang 0.5.12 fails on it with in-seq-split CP (\"num_splits must have shape (b+1)\"); "
+                   "SGLang 0.5.12 fails on it with in-seq-split CP (\"num_splits must have shape (b+1)\"; "
+                   "flashmla_auto picks flashmla_kv for fp8 KV on Hopper); "
                    f"set --nsa-prefill-backend {FP8_IN_SEQ_SPLIT_BACKEND} --nsa-decode-backend "
                    f"{FP8_IN_SEQ_SPLIT_BACKEND}, or leave both unset and the plugin picks them.")
     testing_without_pd = server_args.disaggregation_mode == "null" and testing_non_pd_allowed()

@@ -122,6 +122,7 @@ def test_plugin_table_has_every_transfer_hook():
         "MooncakeKVReceiver.failure_exception": "around",
         "CommonKVSender.abort": "around",
         "prefill.release_req_to_metadata_buffer": "around",
+        "MooncakeKVManager.update_status": "around",
     }
 
 
@@ -137,6 +138,7 @@ def test_flag_off_every_prefill_hook_passes_straight_through():
         (transfer.send_owned_state_pages, ("req", [[1, 2]], "executor", "info"), {}),
         (transfer.send_aux_unless_failed, ("req", 1, [5]), {}),
         (transfer.report_failure_cause_to_decode, ("127.0.0.1", 5555, 7, KVPoll.Failed, 0), {}),
+        (transfer.fail_late_registration_of_aborted_room, (7, KVPoll.WaitingForInput), {}),
     ]
     for hook, args, kwargs in cases:
         original = Recorder(result=object())
@@ -612,7 +614,37 @@ def test_an_aborted_request_is_failed_on_decode_at_once(where, caplog):
     assert len(notices.sent) == 1
 
 
-@pytest.mark.parametrize("case", ["concluded", "decode never registered", "flag off", "no sender"])
+def test_an_abort_before_decode_registered_is_told_when_it_registers(caplog):
+    """SGLang's bootstrap thread sets a room WaitingForInput once decode registered it; a room
+    this rank aborted before that is failed on decode then (stock: decode waits for its
+    timeout), once, and no other room or status is touched."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(cp_size=3, cp_rank=2)
+    info = ready_room(mgr, 23, dst_pages=[70, 71])
+    del mgr.transfer_infos[23]
+    mgr.request_status[23] = KVPoll.Bootstrapping
+    notices = prefill.prefill_transfer(mgr)._abort_notices = Notices()
+    sender = SimpleNamespace(kv_mgr=mgr, bootstrap_room=23, aux_index=1)
+    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer.prefill"):
+        transfer.fail_aborted_room_on_decode(Recorder(), sender)
+        assert notices.sent == [] and "told when it does" in caplog.text
+        assert mgr.failure_records[23].endswith("before sending all of its KV")
+        update = Recorder(result="stock")
+        # another room, or another status of this room: nothing
+        assert transfer.fail_late_registration_of_aborted_room(update, mgr, 99, KVPoll.WaitingForInput) == "stock"
+        transfer.fail_late_registration_of_aborted_room(update, mgr, 23, KVPoll.Bootstrapping)
+        assert notices.sent == [] and len(update.calls) == 2
+        mgr.transfer_infos[23] = {info.mooncake_session_id: info}  # decode registers
+        transfer.fail_late_registration_of_aborted_room(update, mgr, 23, KVPoll.WaitingForInput)
+        transfer.fail_late_registration_of_aborted_room(update, mgr, 23, KVPoll.WaitingForInput)
+    (remote, port, (cause, status)), = notices.sent
+    assert status == [b"23", str(KVPoll.Failed).encode(), b"2"] and parse_failure_cause(cause)[0] == 23
+    assert len(update.calls) == 4  # SGLang's update_status ran every time
+    assert prefill.transfer_stats(mgr)["aborted_requests"] == 1
+
+
+@pytest.mark.parametrize("case", ["concluded", "flag off", "no sender"])
 def test_an_abort_with_nothing_to_tell_decode_changes_nothing(case):
     from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -620,8 +652,6 @@ def test_an_abort_with_nothing_to_tell_decode_changes_nothing(case):
     ready_room(mgr, 22, dst_pages=[70, 71])
     if case == "concluded":
         mgr.request_status[22] = KVPoll.Success
-    elif case == "decode never registered":
-        del mgr.transfer_infos[22]
     context = prefill.prefill_transfer(mgr)
     notices = Notices()
     if context is not None:

@@ -20,7 +20,8 @@ preallocates fewer pages than the request has (rejected before enqueueing); on t
 batches sized to it pass, an index write it rejects and a KV write it rejects fail the
 request on both sides with the cause; a prompt the prefill refused (stock SGLang sends a
 one-token stand-in: decode completes it flag off, fails it flag on); a request the prefill
-aborts after bootstrap (decode waits for its timeout flag off, fails at once flag on);
+aborts after bootstrap or before decode registered it (decode waits for its timeout flag
+off, fails at once flag on);
 prefill rank 3 of S4 SIGKILLs itself after its first
 chunk was written (decode fails within its waiting timeout, no hang).
 """
@@ -126,6 +127,11 @@ def build_plan():
         prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
     add("prefill-aborts/S3", "S3", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
         prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
+    # ... and before decode registered the room (decode registers a second later)
+    for instance in ("R2", "S3"):
+        add(f"prefill-aborts-early/{instance}", instance, 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous",
+            13, prefill_aborts="before_registration", decode_registers_after_s=1.0, expect="failed",
+            decode_waiting_timeout=ABORT_TIMEOUT_S)
     # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
     # 64-entry lane) and its index batch 26 pages x 61 layers.
     lane_pages = np.arange(1, 53)
@@ -320,14 +326,16 @@ def test_flag_fails_a_prompt_its_prefill_refused_on_both_sides(pd_run):
             assert result["stats"]["rejected_requests"] == 1 and result["stats"]["kv_descriptors"] == 0, result
 
 
-def test_an_aborted_prefill_fails_on_decode_at_once(pd_run):
-    """SGLang's prefill aborts a bootstrapped request (MooncakeKVSender.abort). Stock: decode
-    hears nothing and fails only at its waiting timeout, holding its pages until then. With
-    the flag every rank tells decode at once, with the cause."""
-    stock = _decode(pd_run, "prefill-aborts/R2")
-    assert stock["status"] == "failed" and "timed out after" in stock["error"], _context(pd_run, "prefill-aborts/R2")
+@pytest.mark.parametrize("case", ["prefill-aborts", "prefill-aborts-early"])
+def test_an_aborted_prefill_fails_on_decode_at_once(pd_run, case):
+    """SGLang's prefill aborts a request (MooncakeKVSender.abort) after decode registered it,
+    or before (early). Stock: decode hears nothing and fails only at its waiting timeout,
+    holding its pages until then. With the flag every rank tells decode at once (early: as
+    soon as decode registers), with the cause."""
+    stock = _decode(pd_run, f"{case}/R2")
+    assert stock["status"] == "failed" and "timed out after" in stock["error"], _context(pd_run, f"{case}/R2")
     assert stock["elapsed_s"] >= ABORT_TIMEOUT_S
-    name = "prefill-aborts/S3"
+    name = f"{case}/S3"
     decode = _decode(pd_run, name)
     assert decode["status"] == "failed" and decode["elapsed_s"] < ABORT_TIMEOUT_S / 2, _context(pd_run, name)
     assert "cause: prefill CP rank" in decode["error"], decode

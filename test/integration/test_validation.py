@@ -38,6 +38,9 @@ REFUSALS = {
     "fp8_flashmla_kv_chosen": ({"kv_cache_dtype": "fp8_e4m3", "nsa_prefill_backend": "flashmla_kv"}, {}, {},
                                "--nsa-prefill-backend flashmla_kv with --kv-cache-dtype fp8_e4m3",
                                "set --nsa-prefill-backend flashmla_sparse --nsa-decode-backend flashmla_sparse"),
+    "fp8_flashmla_auto_chosen": ({"kv_cache_dtype": "fp8_e4m3", "nsa_prefill_backend": "flashmla_auto"}, {}, {},
+                                 "--nsa-prefill-backend flashmla_auto with --kv-cache-dtype fp8_e4m3",
+                                 "flashmla_auto picks flashmla_kv for fp8 KV on Hopper"),
     "prefill_only_no_kv_cache": ({}, {"prefill_only_disable_kv_cache": True}, {},
                                  "--prefill-only-disable-kv-cache", "remove --prefill-only-disable-kv-cache"),
 }

@@ -14,7 +14,7 @@ from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
 from sglang_cp_shared_kv.transfer.decode import keep_failure_cause, with_cause
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
-from sglang_cp_shared_kv.transfer.prefill import prefill_transfer
+from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, prefill_transfer
 
 
 # ------------------------------------------------------------ prefill hooks
@@ -94,6 +94,16 @@ def fail_unsent_room_on_release(original, req, *args, **kwargs):
     return original(req, *args, **kwargs)
 
 
+def fail_late_registration_of_aborted_room(original, kv_mgr, room, status, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.update_status`` (inherited from ``CommonKVManager``):
+    decode registering a room this prefill rank aborted earlier hears at once that it failed."""
+    result = original(kv_mgr, room, status, *args, **kwargs)
+    context = built_prefill_transfer(kv_mgr)  # NOTE: never builds one: this runs for every status change
+    if context is not None:
+        context.tell_late_registration(kv_mgr, room, status)
+    return result
+
+
 def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, status, prefill_rank):
     """AROUND ``MooncakeKVManager.sync_status_to_decode_endpoint``: ahead of a Failed
     status, tell decode why (same socket, so decode reads the cause first)."""
@@ -126,6 +136,7 @@ def failure_exception_with_cause(original, receiver, *args, **kwargs):
 __all__ = [
     "prepare_prefill_transfer", "check_transfer_matches_pool", "filter_owned_pages", "enqueue_owned_chunk",
     "write_in_bounded_batches", "send_owned_state_pages", "send_aux_unless_failed",
-    "fail_aborted_room_on_decode", "fail_unsent_room_on_release", "report_failure_cause_to_decode",
+    "fail_aborted_room_on_decode", "fail_unsent_room_on_release", "fail_late_registration_of_aborted_room",
+    "report_failure_cause_to_decode",
     "accept_failure_cause", "failure_exception_with_cause",
 ]

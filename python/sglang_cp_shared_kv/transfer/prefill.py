@@ -134,6 +134,7 @@ class PrefillShardTransfer:
         self.write_failures = WriteFailureHandOff()
         self._rejected = BoundedRooms()
         self._abort_notices = AbortNotices()
+        self._aborted_unregistered = BoundedRooms()  # aborted before decode registered: told on registration
         logger.info(
             "CP shared KV transfer: cp_rank=%d/%d sends only the pages it owns (MLA KV by request "
             "position, NSA index by sequence position); Mooncake batches of at most %d descriptors",
@@ -249,8 +250,9 @@ class PrefillShardTransfer:
         """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now
         instead of after its waiting timeout -- the cause, then SGLang's Failed status, to
         every decode target of the room. Any chunk of the room still to come is dropped and
-        its aux write withheld. False when there is no one to tell (decode never registered
-        the room on this rank) or the room has concluded.
+        its aux write withheld. When decode has not registered the room with this rank yet,
+        it is told when it does (:meth:`tell_late_registration`). False when the room has
+        concluded or was already failed (nothing to tell).
 
         NOTE: sent from the caller's thread (SGLang's scheduler, which aborts), on sockets
         only this path uses: SGLang clears the room's ``transfer_infos`` right after an
@@ -258,14 +260,33 @@ class PrefillShardTransfer:
         worker could find no target left; and its cached status sockets belong to the
         worker threads."""
         status = kv_mgr.request_status.get(room)
-        targets = [info for info in kv_mgr.transfer_infos.get(room, {}).values() if not info.is_dummy]
-        if not targets or status in (None, sg.KVPoll.Success, sg.KVPoll.Failed) or self._rejected.get(room):
+        if status in (None, sg.KVPoll.Success, sg.KVPoll.Failed) or self._rejected.get(room):
             return False
         message = f"{self.who}: room {room} ends unsent: {why}"
         self._rejected.put(room, message)
         kv_mgr.record_failure(room, message)
         self.stats.add(aborted_requests=1)
         self.counters.count("failures", "aborted")
+        if not self._tell_decode(kv_mgr, room, message):
+            self._aborted_unregistered.put(room, message)
+            logger.info("CP shared KV transfer: %s; decode has not registered it yet: told when it does", message)
+        return True
+
+    def tell_late_registration(self, kv_mgr, room, status) -> None:
+        """After SGLang's bootstrap thread set ``room`` WaitingForInput (decode registered it
+        with this rank): a room aborted before that is failed on decode now, instead of
+        waiting there for its timeout."""
+        if status == sg.KVPoll.WaitingForInput and len(self._aborted_unregistered):
+            message = self._aborted_unregistered.pop(room)
+            if message is not None:
+                self._tell_decode(kv_mgr, room, message)
+
+    def _tell_decode(self, kv_mgr, room, message: str) -> bool:
+        """The cause and SGLang's Failed status to every decode target the room has on this
+        rank; False when it has none yet."""
+        targets = [info for info in kv_mgr.transfer_infos.get(room, {}).values() if not info.is_dummy]
+        if not targets:
+            return False
         status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
         for info in targets:
             self._abort_notices.send(info.endpoint, info.dst_port, [
@@ -415,6 +436,11 @@ def send_failure_cause(kv_mgr, remote, dst_port, room, text: str) -> None:
                        room, remote, dst_port, exc)
 
 
+def built_prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
+    """The manager's shared-KV transfer state if it was built (at startup, flag on), else None."""
+    return kv_mgr.__dict__.get(_CONTEXT_ATTR)
+
+
 def prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
     """The shared-KV transfer state of a prefill manager; None when the flag is off."""
     context = kv_mgr.__dict__.get(_CONTEXT_ATTR)
@@ -439,5 +465,5 @@ def transfer_stats(kv_mgr) -> Optional[Dict[str, Any]]:
 
 
 __all__ = ["WriteFailureHandOff", "PrefillShardTransfer", "AbortNotices", "prefill_unique_rank",
-           "send_failure_cause", "prefill_transfer",
+           "send_failure_cause", "prefill_transfer", "built_prefill_transfer",
            "transfer_stats"]

@@ -96,6 +96,8 @@ class DecodeSide:
         saved_timeout = self.kv_mgr.waiting_timeout
         if room.get("decode_waiting_timeout"):
             self.kv_mgr.waiting_timeout = room["decode_waiting_timeout"]
+        if room.get("decode_registers_after_s"):
+            time.sleep(room["decode_registers_after_s"])  # the prefill acts before decode registers
         started = time.monotonic()
         try:
             receiver = MooncakeKVReceiver(self.kv_mgr, f"127.0.0.1:{bootstrap_port}", room["room"])

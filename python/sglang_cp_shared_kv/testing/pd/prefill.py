@@ -9,7 +9,8 @@ SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` per chunk), optionally killing
 this process mid-transfer, sending what stock SGLang sends for a prompt its prefill
 refused (``room["prefill_refused"]``) or aborting the request after bootstrap
-(``room["prefill_aborts"]``) when the plan asks.
+(``room["prefill_aborts"]``; ``"before_registration"``: before decode registered it) when
+the plan asks.
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ class PrefillInstance:
             # then prefilled and sent to decode as a complete request.
             req.origin_input_ids, req.return_logprob, ends = [0], False, [1]
         req.fill_ids = req.origin_input_ids
+        if room.get("prefill_aborts") == "before_registration":
+            # SGLang's abort_request on a request in the bootstrap queue before decode has
+            # registered it with this rank (decode registers late: decode_registers_after_s)
+            sender.abort()
         status = poll_until(sender.poll, (KVPoll.WaitingForInput, KVPoll.Failed), 100,
                             f"room {room['room']} to leave Bootstrapping")
         started = time.monotonic()
