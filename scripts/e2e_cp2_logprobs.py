@@ -47,12 +47,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
-from sglang_cp_shared_kv.testing.server import TINY_DSV32, e2e_env, post, start_server, stop, write_model
+from sglang_cp_shared_kv.testing.server import (
+    TINY_DSV32,
+    e2e_env,
+    post,
+    start_server,
+    startup_figures,
+    stop,
+    write_model,
+    write_report,
+)
 
 INDEX_TOPK = TINY_DSV32["index_topk"]
 CHUNK = 2048  # --chunked-prefill-size
@@ -106,14 +114,6 @@ def logprobs(port, ids, start):
     out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
                                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
     return [x[0] for x in out["meta_info"]["input_token_logprobs"]]
-
-
-def startup_figures(log_text):
-    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
-    shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
-    return {"pool_tokens": sorted({int(x) for x in physical}),
-            "shared": sorted({(int(a), int(b)) for a, b in shared}),
-            "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k")}
 
 
 def compare(results, run, base, start):
@@ -219,10 +219,7 @@ def main():
         report["startup_pass"] = bool(on) and all(p in off_pool and l == 2 * p for p, l in on)
         ok &= report["startup_pass"]
     report["pass"] = ok
-    text = json.dumps(report, indent=1)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0 if report["pass"] else 1
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

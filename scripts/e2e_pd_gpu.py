@@ -46,14 +46,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
 import urllib.error
 from pathlib import Path
 
-from sglang_cp_shared_kv.testing.server import TINY_DSV32, e2e_env, post, start_server, stop, write_model
+from sglang_cp_shared_kv.testing.server import (
+    TINY_DSV32,
+    e2e_env,
+    post,
+    start_server,
+    startup_figures,
+    stop,
+    write_model,
+    write_report,
+)
 
 CHUNK = 2048  # --chunked-prefill-size
 POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
@@ -176,15 +184,6 @@ def max_logprob_gap(a, b):
     return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
 
 
-def startup_figures(log_text):
-    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
-    shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
-    return {"pool_tokens": sorted({int(x) for x in physical}),
-            "shared": sorted({(int(a), int(b)) for a, b in shared}),
-            "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k"),
-            "corrupting_processes": log_text.count("sends swapped pages")}
-
-
 def verdict(runs):
     """Checks over the runs present (see the module docstring)."""
     checks = {}
@@ -277,10 +276,7 @@ def main() -> int:
             "same_as_reference": same_answer(answer, reference),
             "note": "flag off, prompt over the prefill's input limit: what stock decode answered"}
     report["pass"] = set(runs) == set(layout_runs) and bool(checks) and all(checks.values())
-    text = json.dumps(report, indent=1)
-    Path(args.out).write_text(text)
-    print(text)
-    return 0 if report["pass"] else 1
+    return write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -88,6 +89,26 @@ def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_
     raise RuntimeError(f"{name}: server not healthy within {boot_timeout}s; see {log_path}")
 
 
+def startup_figures(log_text: str) -> Dict:
+    """What a server log says: the KV pool sizes SGLang allocated, the shared-KV split
+    (physical per rank, logical), and how many processes took each e2e switch of
+    ``scripts/e2e/sitecustomize.py``."""
+    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
+    shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
+    return {"pool_tokens": sorted({int(x) for x in physical}),
+            "shared": sorted({(int(a), int(b)) for a, b in shared}),
+            "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k"),
+            "corrupting_processes": log_text.count("sends swapped pages")}
+
+
+def write_report(report: Dict, out) -> int:
+    """The report as JSON to ``out`` and stdout; the exit status its ``pass`` gives."""
+    text = json.dumps(report, indent=1)
+    Path(out).write_text(text)
+    print(text)
+    return 0 if report["pass"] else 1
+
+
 def stop(proc: subprocess.Popen) -> None:
     """End the server's whole process group (SIGTERM, then SIGKILL after 60 s)."""
     try:
@@ -100,4 +121,5 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop"]
+__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop",
+           "startup_figures", "write_report"]
