@@ -94,7 +94,9 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
            # no decode here: the warm-up decodes, and the overlap scheduler launches a decode step
            # before it sees that a 1-token request is done; a shared-KV prefill rank refuses decode
            "--skip-server-warmup", "--disable-overlap-schedule"]
-    if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
+    if args.kv_cache_dtype == "bfloat16" or args.tp > 1:
+        # flag off and on alike (the flag would pick it for fp8 + in-seq-split, stock would crash
+        # on its fp8 default flashmla_kv: docs/troubleshooting.md); without CP fp8 keeps the defaults
         cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
     if args.tp > 1:
         cmd += ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",

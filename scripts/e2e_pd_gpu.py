@@ -2,13 +2,15 @@
 """End to end PD on GPUs: what a decode server answers from a shared-KV CP prefill must be
 what it answers from a stock prefill, bit for bit.
 
-Layout ``cp2`` (default; two GPUs, the deployment of docs/deploy.md in small): prefill TP2
-+ NSA prefill CP2 in-seq-split on GPUs 0-1 (``--mem-fraction-static 0.45``, started
+``--cp-size N`` (default 2; N GPUs, the deployment of docs/deploy.md in small): prefill TPN
++ NSA prefill CPN in-seq-split on GPUs 0..N-1 (``--mem-fraction-static 0.45``, started
 first), decode TP1 on GPU 0 (``--base-gpu-id 0 --mem-fraction-static 0.85``, started once
 the prefill is up: SGLang refuses the other order as "memory capacity is unbalanced"),
 ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both, Mooncake (TCP where there is no
-RDMA device). Layout ``tp1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs
-only -- the script, the Mooncake CUDA 13 install and stock PD on one H200.
+RDMA device); with CP the NSA backends are ``flashmla_sparse`` on both servers (stock
+SGLang's fp8 default ``flashmla_kv`` fails with in-seq-split, docs/troubleshooting.md).
+``--cp-size 1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs only -- the
+script, the Mooncake CUDA 13 install and stock PD on one H200.
 
 Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 as
 ``scripts/e2e_cp2_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``):
@@ -16,8 +18,8 @@ Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 a
   off         flag off, prefill pool ``--max-total-tokens POOL`` (per rank)
   off_b       the same again: run-to-run determinism
   off_big     flag off, a prefill pool that holds the over-pool prompt: its reference
-  on          flag on, POOL physical tokens per rank (2 x POOL logical)       [cp2]
-  on_corrupt  flag on, CP rank 1 sends each chunk's first two pages swapped   [cp2]
+  on          flag on, POOL physical tokens per rank (N x POOL logical)       [N >= 2]
+  on_corrupt  flag on, CP rank 1 sends each chunk's first two pages swapped   [N >= 2]
 
 Each run posts every prompt to both servers with one bootstrap room: ``short`` (one
 chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first 4,096 tokens
@@ -36,9 +38,9 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
 
 Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
 later call while the machine is warm); the report compares what is there and passes only
-when every run of the layout is. JSON to --out and stdout.
+when every run of the CP size is. JSON to --out and stdout.
 
-Usage: python scripts/e2e_pd_gpu.py --out pd.json [--layout cp2|tp1] [--runs off,on,...]
+Usage: python scripts/e2e_pd_gpu.py --out pd.json [--cp-size N] [--runs off,on,...]
                                     [--kv-cache-dtype bfloat16|fp8_e4m3] [--stock-topk]
 """
 
@@ -72,7 +74,11 @@ RUNS = {  # name: (flag on, prefill pool, corrupt-send rank)
     "off": (False, POOL, None), "off_b": (False, POOL, None), "off_big": (False, BIG_POOL, None),
     "on": (True, POOL, None), "on_corrupt": (True, POOL, 1),
 }
-LAYOUT_RUNS = {"cp2": list(RUNS), "tp1": ["off", "off_b", "off_big"]}
+RUNS_WITHOUT_CP = ["off", "off_b", "off_big"]  # --cp-size 1: no CP, so no flag
+
+
+def runs_for(cp_size: int):
+    return list(RUNS) if cp_size > 1 else RUNS_WITHOUT_CP
 #: (run, baseline, prompts): decode answers that must be bit-identical
 EXACT = (("off_b", "off", ("short", "chunked", "radix_hit")),
          ("on", "off", ("short", "chunked", "radix_hit")),
@@ -101,15 +107,15 @@ def server_commands(args, flag_on, pool, ports):
             "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch", "--random-seed", "0",
             "--kv-cache-dtype", args.kv_cache_dtype, "--disaggregation-transfer-backend", "mooncake",
             "--host", "127.0.0.1"]
-    if args.kv_cache_dtype == "bfloat16":  # the sparse FlashMLA kernels read bf16 KV; fp8 keeps the defaults
+    if args.kv_cache_dtype == "bfloat16" or args.cp_size > 1:  # without CP, fp8 keeps SGLang's defaults
         base += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
     prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
                       "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
                       "--max-total-tokens", str(pool)]
     decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
-    if args.layout == "cp2":
-        prefill += ["--tp", "2", "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
-                    "--disable-custom-all-reduce", "--mem-fraction-static", "0.45"]
+    if args.cp_size > 1:
+        prefill += ["--tp", str(args.cp_size), "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode",
+                    "in-seq-split", "--disable-custom-all-reduce", "--mem-fraction-static", "0.45"]
         decode += ["--tp", "1", "--mem-fraction-static", "0.85"]
     else:  # both on GPU 0: what the prefill leaves
         prefill += ["--tp", "1", "--mem-fraction-static", "0.3"]
@@ -235,28 +241,30 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="e2e_pd_gpu.json")
     ap.add_argument("--workdir", default="e2e-pd-work")
-    ap.add_argument("--layout", choices=sorted(LAYOUT_RUNS), default="cp2")
-    ap.add_argument("--runs", default=None, help="runs to start now (comma-separated; default: all of the layout)")
+    ap.add_argument("--cp-size", type=int, default=2, help="prefill CP size = its GPUs (1: one GPU, flag off only)")
+    ap.add_argument("--runs", default=None, help="runs to start now (comma-separated; default: all of the CP size)")
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
     ap.add_argument("--port", type=int, default=32000, help="prefill port; decode +1, bootstrap +2")
     ap.add_argument("--boot-timeout", type=int, default=600)
     args = ap.parse_args()
-    layout_runs = LAYOUT_RUNS[args.layout]
-    selected = layout_runs if args.runs is None else [r for r in args.runs.split(",") if r]
-    unknown = sorted(set(selected) - set(layout_runs))
+    if not 1 <= args.cp_size <= 8:
+        ap.error(f"--cp-size {args.cp_size}: choose 1 (one GPU, no CP) to 8 (one node)")
+    cp_runs = runs_for(args.cp_size)
+    selected = cp_runs if args.runs is None else [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(selected) - set(cp_runs))
     if unknown:
-        ap.error(f"runs {unknown} are not part of --layout {args.layout}; choose from {layout_runs}")
-    args.tag = f"{args.layout}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
+        ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}")
+    args.tag = f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
     work = Path(args.workdir)
     args.model = write_model(work / "tiny-dsv32-32k", MODEL)
     for name in selected:
         run = run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1))
         (work / f"{name}.{args.tag}.json").write_text(json.dumps(run))
     runs = {name: json.loads((work / f"{name}.{args.tag}.json").read_text())
-            for name in layout_runs if (work / f"{name}.{args.tag}.json").exists()}
+            for name in cp_runs if (work / f"{name}.{args.tag}.json").exists()}
     checks = verdict(runs)
-    report = {"layout": args.layout, "kv_cache_dtype": args.kv_cache_dtype, "stable_topk": not args.stock_topk,
+    report = {"cp_size": args.cp_size, "kv_cache_dtype": args.kv_cache_dtype, "stable_topk": not args.stock_topk,
               "runs": sorted(runs), "checks": checks,
               "decode": {name: {prompt: {k: v for k, v in entry["decode"].items() if k != "logprobs"}
                                 for prompt, entry in run["prompts"].items()} for name, run in runs.items()},
@@ -275,7 +283,7 @@ def main() -> int:
             "decode_status": answer["status"], "first_logprobs": answer.get("logprobs", [])[:2],
             "same_as_reference": same_answer(answer, reference),
             "note": "flag off, prompt over the prefill's input limit: what stock decode answered"}
-    report["pass"] = set(runs) == set(layout_runs) and bool(checks) and all(checks.values())
+    report["pass"] = set(runs) == set(cp_runs) and bool(checks) and all(checks.values())
     return write_report(report, args.out)
 
 

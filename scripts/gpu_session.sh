@@ -12,7 +12,7 @@
 #   machine stays warm, logs are copied to $out; E2E_ARGS="--stable-topk" adds options,
 #   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out);
-#   PD="--layout tp1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
+#   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out).
 # Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
 # DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster.

@@ -20,12 +20,13 @@ def pd():
     return load_script("e2e_pd_gpu")
 
 
-def _args(pd, layout, dtype="bfloat16"):
-    return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, layout=layout, stock_topk=False)
+def _args(cp_size, dtype="bfloat16"):
+    return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, cp_size=cp_size, stock_topk=False)
 
 
-@pytest.mark.parametrize("layout,flag_on", [("cp2", False), ("cp2", True), ("tp1", False)])
-def test_server_commands_parse_with_sglangs_parser(pd, layout, flag_on):
+@pytest.mark.parametrize("cp_size,flag_on,dtype", [(2, False, "bfloat16"), (2, True, "fp8_e4m3"), (4, True, "bfloat16"),
+                                                   (1, False, "bfloat16"), (1, False, "fp8_e4m3")])
+def test_server_commands_parse_with_sglangs_parser(pd, cp_size, flag_on, dtype):
     from sglang.srt.server_args import ServerArgs
 
     from sglang_cp_shared_kv.config import FLAG
@@ -34,14 +35,19 @@ def test_server_commands_parse_with_sglangs_parser(pd, layout, flag_on):
     ServerArgs.add_cli_args(parser)
     parser.add_argument(FLAG, action="store_true")
     ports = {"prefill": 1, "decode": 2, "bootstrap": 3}
-    prefill, decode = pd.server_commands(_args(pd, layout), flag_on, pd.POOL, ports)
+    prefill, decode = pd.server_commands(_args(cp_size, dtype), flag_on, pd.POOL, ports)
     p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
     d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
     assert (p.disaggregation_mode, d.disaggregation_mode) == ("prefill", "decode")
     assert p.max_total_tokens == pd.POOL and p.disaggregation_bootstrap_port == 3 and d.base_gpu_id == 0
-    assert p.tensor_parallel_size == (2 if layout == "cp2" else 1) and d.tensor_parallel_size == 1
-    assert p.enable_nsa_prefill_context_parallel == (layout == "cp2")
+    assert p.tensor_parallel_size == cp_size and d.tensor_parallel_size == 1
+    assert p.enable_nsa_prefill_context_parallel == (cp_size > 1)
     assert (FLAG in prefill) == flag_on and FLAG not in decode
+    # with CP both servers run flashmla_sparse, flag off too (stock fp8's flashmla_kv crashes there)
+    sparse = dtype == "bfloat16" or cp_size > 1
+    for args in (p, d):
+        backends = (args.nsa_prefill_backend, args.nsa_decode_backend)
+        assert backends == (("flashmla_sparse",) * 2 if sparse else (None, None))
 
 
 def test_the_over_pool_prompt_exceeds_one_rank_and_fits_two(pd):
@@ -70,7 +76,7 @@ def _runs(pd, corrupt_differs=True, on_gap=0.0):
         return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0]}, "prefill": {"status": "ok"}}
 
     base = {name: answer(-0.5) for name in pd.prompts()}
-    runs = {name: {"prompts": dict(base)} for name in pd.LAYOUT_RUNS["cp2"]}
+    runs = {name: {"prompts": dict(base)} for name in pd.runs_for(2)}
     runs["off"]["prompts"]["over_pool"] = {"decode": {"status": "ok", "ids": [0, 0], "logprobs": [0.0, 0.0]}}
     runs["on"] = {"prompts": {name: answer(-0.5 + on_gap) for name in base}}
     runs["on_corrupt"] = {"prompts": {name: answer(-0.7 if corrupt_differs else -0.5 + on_gap) for name in base}}
@@ -83,8 +89,8 @@ def test_verdict_is_exact_and_needs_the_control_to_show(pd):
     assert len([c for c in checks if c.startswith("on_corrupt detected")]) == 4
     assert not pd.verdict(_runs(pd, on_gap=1e-7))["on=off:short"]  # one ulp-sized gap fails
     assert not pd.verdict(_runs(pd, corrupt_differs=False))["on_corrupt detected:chunked"]
-    tp1 = {name: run for name, run in _runs(pd).items() if name in pd.LAYOUT_RUNS["tp1"]}
-    assert set(pd.verdict(tp1)) == {"off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit",
+    one_gpu = {name: run for name, run in _runs(pd).items() if name in pd.runs_for(1)}
+    assert set(pd.verdict(one_gpu)) == {"off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit",
                                     "off_big answers over_pool"}
 
 
