@@ -4,6 +4,10 @@ One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
 the debug checks forward by forward; at N = 2, 3, 4 the chunked scenarios run again with
 the one-layer-ahead MLA history prefetch (phase 8).
+
+NOTE: N = 8 is eight processes on CI's two cores (it was 12 of CI's 38 minutes): there every
+scenario runs with the debug checks on only (they add checks, not a different path), and
+the 200-mix soak runs at N = 2, 3 and 4.
 """
 
 import pytest
@@ -16,14 +20,21 @@ DTYPES = ("bf16", "fp8_e4m3")
 # phase 8: the one-layer-ahead MLA history gather, where there is history to gather
 PREFETCH_N = (2, 3, 4)
 PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "corrupted_shard_is_detected")
+SOAK_N = (2, 3, 4)
+
+
+def debug_modes(n):
+    return ("on", "off") if n in SOAK_N else ("on",)
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4, 8], ids=lambda n: f"N{n}")
 def group(request):
-    jobs = [(name, dtype, debug) for dtype in DTYPES for debug in ("on", "off") for name in SCENARIOS]
+    n = request.param
+    jobs = [(name, dtype, debug) for dtype in DTYPES for debug in debug_modes(n) for name in SCENARIOS]
     jobs += [("corrupted_shard_is_detected", dtype, "off") for dtype in DTYPES]
     jobs += [("lane_exhaustion", dtype, "on") for dtype in DTYPES]
-    jobs += [("soak", dtype, "alternate") for dtype in DTYPES]
+    if n in SOAK_N:
+        jobs += [("soak", dtype, "alternate") for dtype in DTYPES]
     if request.param in PREFETCH_N:
         jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
         jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
@@ -44,12 +55,14 @@ def test_scenario_bit_exact(group, scenario):
     n, results = group
     outcomes = _assert_clean(results, scenario)
     plain = {k: v for k, v in outcomes.items() if "prefetch" not in k}
-    assert len(plain) == 4  # bf16/fp8 x debug on/off (and the prefetch runs below)
+    assert len(plain) == len(DTYPES) * len(debug_modes(n))  # (and the prefetch runs below)
     assert all(v["stats"]["topk_rows"] > 0 for v in outcomes.values())
 
 
 def test_soak_bit_exact(group):
     n, results = group
+    if n not in SOAK_N:
+        pytest.skip(f"the soak runs at N in {SOAK_N}")
     outcomes = _assert_clean(results, "soak")
     for stats in (v["stats"] for v in outcomes.values()):
         assert stats["mixes"] >= 200 and stats["forwards"] >= 200

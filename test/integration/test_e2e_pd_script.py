@@ -26,14 +26,13 @@ def _args(cp_size, dtype="bfloat16"):
 
 @pytest.mark.parametrize("cp_size,flag_on,dtype", [(2, False, "bfloat16"), (2, True, "fp8_e4m3"), (4, True, "bfloat16"),
                                                    (1, False, "bfloat16"), (1, False, "fp8_e4m3")])
-def test_server_commands_parse_with_sglangs_parser(pd, cp_size, flag_on, dtype):
+def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, flag_on, dtype):
     from sglang.srt.server_args import ServerArgs
 
     from sglang_cp_shared_kv.config import FLAG
 
     parser = argparse.ArgumentParser(exit_on_error=False)
-    ServerArgs.add_cli_args(parser)
-    parser.add_argument(FLAG, action="store_true")
+    ServerArgs.add_cli_args(parser)  # with the plugin's hooks applied: it adds the flag
     ports = {"prefill": 1, "decode": 2, "bootstrap": 3}
     prefill, decode = pd.server_commands(_args(cp_size, dtype), flag_on, pd.POOL, ports)
     p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
