@@ -189,8 +189,8 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
     if server_args.kv_cache_dtype == "fp8_e4m3" and server_args.nsa_prefill_cp_mode == "in-seq-split":
         crashing = {"prefill": FP8_IN_SEQ_SPLIT_CRASHING_PREFILL_BACKENDS,
                     "decode": (FP8_IN_SEQ_SPLIT_CRASHING_BACKEND,)}
-        chosen = [f"--nsa-{side}-backend {getattr(server_args, f'nsa_{side}_backend', None)}"
-                  for side in _NSA_BACKEND_SIDES if getattr(server_args, f"nsa_{side}_backend", None) in crashing[side]]
+        chosen = [f"--nsa-{side}-backend {backend}" for side in _NSA_BACKEND_SIDES
+                  if (backend := getattr(server_args, f"nsa_{side}_backend", None)) in crashing[side]]
         if chosen:
             refuse(" ".join(chosen) + " with --kv-cache-dtype fp8_e4m3",
                    "SGLang 0.5.12 fails on it with in-seq-split CP (\"num_splits must have shape (b+1)\"; "

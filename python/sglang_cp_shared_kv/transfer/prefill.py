@@ -442,8 +442,9 @@ def built_prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
 
 
 def prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
-    """The shared-KV transfer state of a prefill manager; None when the flag is off."""
-    context = kv_mgr.__dict__.get(_CONTEXT_ATTR)
+    """The shared-KV transfer state of a prefill manager (built on first use); None when
+    the flag is off."""
+    context = built_prefill_transfer(kv_mgr)
     if context is not None:
         return context
     if not is_enabled(getattr(kv_mgr, "server_args", None)):
@@ -451,7 +452,7 @@ def prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
     if kv_mgr.disaggregation_mode != sg.DisaggregationMode.PREFILL:
         return None
     with _CONTEXT_LOCK:
-        context = kv_mgr.__dict__.get(_CONTEXT_ATTR)
+        context = built_prefill_transfer(kv_mgr)
         if context is None:
             context = PrefillShardTransfer(kv_mgr)
             setattr(kv_mgr, _CONTEXT_ATTR, context)
@@ -460,7 +461,7 @@ def prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
 
 def transfer_stats(kv_mgr) -> Optional[Dict[str, Any]]:
     """Counters of what this prefill rank sent under shared KV (None when the flag is off)."""
-    context = kv_mgr.__dict__.get(_CONTEXT_ATTR)
+    context = built_prefill_transfer(kv_mgr)
     return None if context is None else context.stats.snapshot()
 
 
