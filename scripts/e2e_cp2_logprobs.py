@@ -55,6 +55,7 @@ from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     e2e_env,
     post,
+    require_stable_topk,
     start_server,
     startup_figures,
     stop,
@@ -189,9 +190,8 @@ def main():
         finally:
             stop(proc)
         run["startup"] = startup_figures(log_path.read_text())
-        if args.stable_topk and not run["startup"]["stable_topk_processes"]:
-            raise SystemExit(f"{name}: --stable-topk, but no server process reported the deterministic top-k "
-                             f"(scripts/e2e on PYTHONPATH?); see {log_path}")
+        if args.stable_topk:
+            require_stable_topk(run["startup"], name, log_path)
         (work / f"{name}.{tag}.json").write_text(json.dumps(run))
     runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
             for name in layout_runs if (work / f"{name}.{tag}.json").exists()}

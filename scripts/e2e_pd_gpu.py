@@ -58,6 +58,7 @@ from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     e2e_env,
     post,
+    require_stable_topk,
     start_server,
     startup_figures,
     stop,
@@ -231,9 +232,8 @@ def run_servers(name, args, work, room_base):
         for proc in reversed(procs):
             stop(proc)
     run["startup"] = {side: startup_figures(path.read_text()) for side, path in logs.items()}
-    if not args.stock_topk and not run["startup"]["decode"]["stable_topk_processes"]:
-        raise SystemExit(f"{name}: no server process reported the deterministic top-k (scripts/e2e on "
-                         f"PYTHONPATH?); see {logs['decode']}")
+    if not args.stock_topk:
+        require_stable_topk(run["startup"]["decode"], name, logs["decode"])
     return run
 
 

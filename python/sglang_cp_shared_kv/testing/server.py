@@ -101,6 +101,14 @@ def startup_figures(log_text: str) -> Dict:
             "corrupting_processes": log_text.count("sends swapped pages")}
 
 
+def require_stable_topk(figures: Dict, name: str, log_path: Path) -> None:
+    """Stop a run whose server log (its :func:`startup_figures`) shows that no process took
+    the deterministic top-k it was started with: its comparison would not be exact."""
+    if not figures["stable_topk_processes"]:
+        raise SystemExit(f"{name}: started with the deterministic top-k, but no server process reported it "
+                         f"(scripts/e2e on PYTHONPATH?); see {log_path}")
+
+
 def write_report(report: Dict, out) -> int:
     """The report as JSON to ``out`` and stdout; the exit status its ``pass`` gives."""
     text = json.dumps(report, indent=1)
@@ -122,4 +130,4 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 __all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop",
-           "startup_figures", "write_report"]
+           "startup_figures", "require_stable_topk", "write_report"]
