@@ -11,7 +11,10 @@ H200's 4.1 TB/s copy bandwidth (and of the copy bandwidth this run measured). Pa
   this rank owns; ``torch_reference`` = the package's torch reference of the same;
   ``sglang_owned_rows`` = today's plugin path (``index_select`` + SGLang's store of the
   owned rows); ``sglang_all_rows`` = SGLang's stock store of the whole chunk (what every
-  rank of a replicated pool does);
+  rank of a replicated pool does); ``owner_copy`` = the owner write the plugin now does:
+  the owned rows copied byte for byte from the layer's dense view, where the chunk was
+  already quantised and stored (``row_copy``; the store into the view is not timed, every
+  path but ``triton`` / ``sglang_owned_rows`` needs it anyway);
 * ``page_pack`` (MLA bf16 / fp8 pages, index pages): ``triton`` vs ``index_select``;
 * ``page_remap`` (page table of every token; top-k indices with -1 padding): ``triton``
   (inverse built once + remap) vs ``torch_reference`` vs ``sort_searchsorted``, the
@@ -189,6 +192,13 @@ def chunk(tokens, n, device, generator):
     return out_cache_loc, rows, physical, (4 * pages // n + 2) * PAGE
 
 
+def dense_view_of(tokens, rows, device):
+    """Dense locations of a chunk's rows (page 0 is the dummy page, the chunk follows) and
+    of its owned ``rows``: the owner copy's source."""
+    dense_locs = torch.arange(PAGE, PAGE + tokens, device=device)
+    return dense_locs, dense_locs.index_select(0, rows)
+
+
 def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_measured, dry):
     out_cache_loc, rows, physical, slots = chunk(tokens, n, device, g)
     latent = torch.randn(tokens, LATENT_DIM, generator=g).bfloat16().to(device)
@@ -201,7 +211,12 @@ def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_mea
     store = K.store_mla_rows_fp8 if packed_fp8 else K.store_mla_rows
     reference = K.store_mla_rows_fp8_reference if packed_fp8 else K.store_mla_rows_reference
     owned = rows.numel()
-    paths = {"torch_reference": lambda: reference(shard, rows, physical, k_nope, k_rope)}
+    dense_locs, owned_dense_locs = dense_view_of(tokens, rows, device)
+    dense = torch.zeros(PAGE + tokens, 1, shard.shape[-1], dtype=shard.dtype, device=device)
+    reference(dense, None, dense_locs, k_nope, k_rope)
+    copy = K.copy_mla_rows_reference if dry else K.copy_mla_rows
+    paths = {"torch_reference": lambda: reference(shard, rows, physical, k_nope, k_rope),
+             "owner_copy": lambda: copy(shard, physical, dense, owned_dense_locs)}
     if not dry:
         paths["triton"] = lambda: store(shard, rows, physical, k_nope, k_rope)
         if isinstance(sglang["mla"], str):
@@ -218,6 +233,7 @@ def bench_mla_store(K, timer, sglang, tokens, n, packed_fp8, device, g, copy_mea
                                                        k_rope.index_select(0, rows))
             paths["sglang_all_rows"] = lambda: stock(full, out_cache_loc, k_nope, k_rope)
     moved = {name: owned * (BF16_ROW + row_bytes + 16) for name in paths}
+    moved["owner_copy"] = owned * (2 * row_bytes + 16)
     moved["sglang_all_rows"] = tokens * (BF16_ROW + row_bytes + 8)
     add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "row_bytes": row_bytes, "paths": measure(timer, paths, moved, copy_measured)}
@@ -228,7 +244,12 @@ def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry
     key = torch.randn(tokens, INDEX_DIM, generator=g).bfloat16().to(device)
     shard = torch.zeros(slots // PAGE + 1, PAGE * INDEX_ROW, dtype=torch.uint8, device=device)
     owned = rows.numel()
-    paths = {"torch_reference": lambda: K.store_index_rows_reference(shard, rows, physical, key)}
+    dense_locs, owned_dense_locs = dense_view_of(tokens, rows, device)
+    dense = torch.zeros(tokens // PAGE + 2, PAGE * INDEX_ROW, dtype=torch.uint8, device=device)
+    K.store_index_rows_reference(dense, None, dense_locs, key)
+    copy = K.copy_index_rows_reference if dry else K.copy_index_rows
+    paths = {"torch_reference": lambda: K.store_index_rows_reference(shard, rows, physical, key),
+             "owner_copy": lambda: copy(shard, physical, dense, owned_dense_locs)}
     if not dry:
         full = torch.zeros(int(out_cache_loc.max()) // PAGE + 1, PAGE * INDEX_ROW, dtype=torch.uint8, device=device)
         paths["triton"] = lambda: K.store_index_rows(shard, rows, physical, key)
@@ -239,6 +260,7 @@ def bench_index_store(K, timer, sglang, tokens, n, device, g, copy_measured, dry
             paths["sglang_owned_rows"] = lambda: jit(key.index_select(0, rows), shard, physical, PAGE)
             paths["sglang_all_rows"] = lambda: jit(key, full, out_cache_loc, PAGE)
     moved = {name: owned * (2 * INDEX_DIM + INDEX_ROW + 16) for name in paths}
+    moved["owner_copy"] = owned * (2 * INDEX_ROW + 16)
     moved["sglang_all_rows"] = tokens * (2 * INDEX_DIM + INDEX_ROW + 8)
     add_same_size_copy(paths, moved, moved["torch_reference"], device, dry)
     return {"owned_rows": owned, "paths": measure(timer, paths, moved, copy_measured)}
@@ -362,7 +384,8 @@ def render_markdown(report) -> str:
              "GPU time: CUDA events, L2 flushed, work queued behind a GPU sleep; host launch µs in the JSON")
     out = [f"Device: {report['device']}; median of {report['reps']} runs ({clock}); "
            f"measured copy bandwidth {report['copy_bandwidth_measured_GBps']} GB/s.\n"]
-    store_paths = ["triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows", "contiguous_copy_same_bytes"]
+    store_paths = ["owner_copy", "triton", "torch_reference", "sglang_owned_rows", "sglang_all_rows",
+                   "contiguous_copy_same_bytes"]
     present = set(results[0]) if results else set()
     for kernel in ("mla_store_bf16", "mla_store_fp8", "index_store"):
         if kernel not in present:

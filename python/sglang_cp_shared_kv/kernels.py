@@ -105,6 +105,24 @@ class KernelDispatch:
                   lambda package: package.store_index_rows(index_buffer, rows, locs, key, page_size),
                   lambda package: stock())
 
+    def copy_mla_rows(self, dst: torch.Tensor, dst_locs: torch.Tensor, src: torch.Tensor,
+                      src_locs: torch.Tensor) -> None:
+        """``dst[dst_locs[i]] = src[src_locs[i]]``, whole MLA rows (any of the pool's row
+        formats): the owned chunk rows from the dense view into the shard."""
+        if dst_locs.numel():
+            self._run("copy_mla_rows", (dst, dst_locs, src, src_locs),
+                      lambda package: package.copy_mla_rows(dst, dst_locs, src, src_locs),
+                      lambda package: package.copy_mla_rows_reference(dst, dst_locs, src, src_locs))
+
+    def copy_index_rows(self, dst: torch.Tensor, dst_locs: torch.Tensor, src: torch.Tensor,
+                        src_locs: torch.Tensor, page_size: int = PAGE_SIZE) -> None:
+        """The fp8 K and fp32 scale of index token ``src_locs[i]`` of ``src`` to token
+        ``dst_locs[i]`` of ``dst`` (page-major index buffers)."""
+        if dst_locs.numel():
+            self._run("copy_index_rows", (dst, dst_locs, src, src_locs),
+                      lambda package: package.copy_index_rows(dst, dst_locs, src, src_locs, page_size),
+                      lambda package: package.copy_index_rows_reference(dst, dst_locs, src, src_locs, page_size))
+
     # ----------------------------------------------------------------- materialize
     def pack_pages(self, page_words: torch.Tensor, send_pages: torch.Tensor,
                    out: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -161,6 +161,29 @@ def test_pack_pages(words):
     assert torch.equal(dense[3:8], shard[send]) and not dense[:3].any() and not dense[8:].any()
 
 
+@pytest.mark.parametrize("row_bytes", [656, 1152])
+def test_copy_mla_rows(row_bytes):
+    g = torch.Generator().manual_seed(row_bytes)
+    src = torch.randint(0, 256, (40, 1, row_bytes), dtype=torch.uint8, generator=g)
+    ours = torch.randint(0, 256, (30, 1, row_bytes), dtype=torch.uint8, generator=g)
+    ref = ours.clone()
+    src_locs, dst_locs = torch.tensor([3, 39, 0, 17, 8]), torch.tensor([29, 1, 5, 6, 0])
+    K.copy_mla_rows(ours, dst_locs, src, src_locs)
+    K.copy_mla_rows_reference(ref, dst_locs, src, src_locs)
+    assert torch.equal(ours, ref)
+
+
+def test_copy_index_rows():
+    g = torch.Generator().manual_seed(5)
+    src = torch.randint(0, 256, (4, PAGE * 132), dtype=torch.uint8, generator=g)
+    ours = torch.randint(0, 256, (3, PAGE * 132), dtype=torch.uint8, generator=g)
+    ref = ours.clone()
+    src_locs, dst_locs = torch.randperm(4 * PAGE, generator=g)[:70], torch.randperm(3 * PAGE, generator=g)[:70]
+    K.copy_index_rows(ours, dst_locs, src, src_locs)
+    K.copy_index_rows_reference(ref, dst_locs, src, src_locs)
+    assert torch.equal(ours, ref)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_page_inverse_and_remap(dtype):
     g = torch.Generator().manual_seed(1)

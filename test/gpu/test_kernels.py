@@ -187,6 +187,46 @@ def test_index_store_equals_reference_and_sglang_fused_store(seed):
     assert torch.equal(ours.index_k_with_scale_buffer[0], stock.index_k_with_scale_buffer[0])
 
 
+# --------------------------------------------------------------------- owner copy
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_owner_copy_of_mla_rows_equals_its_reference(seed, fmt):
+    """The owned rows of a chunk stored in a dense view, copied to the shard: the same bytes
+    as the reference copy, and as the fused owner store of the same rows."""
+    g, out_cache_loc, rows, physical, slots = random_chunk(seed)
+    latent = torch.randn(out_cache_loc.numel(), 576, generator=g).bfloat16().to(DEVICE)
+    k_nope, k_rope = latent[:, :512].unsqueeze(1), latent[:, 512:].unsqueeze(1)
+    dense_locs = torch.randperm(out_cache_loc.numel() + 64, generator=g)[: out_cache_loc.numel()].to(DEVICE)
+    if fmt == "fp8":
+        dense = torch.zeros(out_cache_loc.numel() + 64, 1, 656, dtype=torch.uint8, device=DEVICE)
+        K.store_mla_rows_fp8(dense, None, dense_locs, k_nope, k_rope)
+        store = K.store_mla_rows_fp8
+    else:
+        dense = torch.zeros(out_cache_loc.numel() + 64, 1, 576, dtype=torch.bfloat16, device=DEVICE)
+        K.store_mla_rows(dense, None, dense_locs, k_nope, k_rope)
+        store = K.store_mla_rows
+    ours, ref, stored = (torch.zeros(slots, *dense.shape[1:], dtype=dense.dtype, device=DEVICE) for _ in range(3))
+    K.copy_mla_rows(ours, physical, dense, dense_locs[rows])
+    K.copy_mla_rows_reference(ref, physical, dense, dense_locs[rows])
+    store(stored, rows, physical, k_nope, k_rope)
+    assert torch.equal(ours, ref) and torch.equal(ours, stored)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_owner_copy_of_index_rows_equals_its_reference(seed):
+    g, out_cache_loc, rows, physical, slots = random_chunk(seed)
+    key = torch.randn(out_cache_loc.numel(), 128, generator=g).bfloat16().to(DEVICE)
+    dense_pages = out_cache_loc.numel() // PAGE + 3
+    dense_locs = torch.randperm(dense_pages * PAGE, generator=g)[: out_cache_loc.numel()].to(DEVICE)
+    dense = torch.zeros(dense_pages, PAGE * 132, dtype=torch.uint8, device=DEVICE)
+    K.store_index_rows(dense, None, dense_locs, key)
+    ours, ref, stored = (torch.zeros(slots // PAGE, PAGE * 132, dtype=torch.uint8, device=DEVICE) for _ in range(3))
+    K.copy_index_rows(ours, physical, dense, dense_locs[rows])
+    K.copy_index_rows_reference(ref, physical, dense, dense_locs[rows])
+    K.store_index_rows(stored, rows, physical, key)
+    assert torch.equal(ours, ref) and torch.equal(ours, stored)
+
+
 # ---------------------------------------------------------------------- page pack
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("page_bytes", [PAGE * 1152, PAGE * 656, PAGE * 132])

@@ -209,6 +209,45 @@ def test_pack_reference_matches_naive_loop(words):
     assert K.pack_pages_reference(shard, send[:0]).shape == (0, words)
 
 
+# ------------------------------------------------------------------- owner copy
+def _random_bytes(shape, g):
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+
+
+@pytest.mark.parametrize("row_bytes", [656, 1152])
+def test_mla_row_copy_reference_matches_naive_loop(row_bytes):
+    g = torch.Generator().manual_seed(row_bytes)
+    src, dst = _random_bytes((40, 1, row_bytes), g), _random_bytes((30, 1, row_bytes), g)
+    if row_bytes == 1152:  # bf16 rows as the pool holds them
+        src, dst = src.view(torch.bfloat16), dst.view(torch.bfloat16)
+    src_locs, dst_locs = torch.tensor([3, 39, 0, 17]), torch.tensor([29, 1, 5, 6])
+    want = dst.clone()
+    for s, d in zip(src_locs.tolist(), dst_locs.tolist()):
+        want[d] = src[s]
+    K.copy_mla_rows_reference(dst, dst_locs, src, src_locs)
+    assert torch.equal(dst.view(torch.uint8), want.view(torch.uint8))
+    KernelDispatch().copy_mla_rows(dst, dst_locs[:0], src, src_locs[:0])  # nothing owned: no-op
+    with pytest.raises(ValueError):
+        K.copy_mla_rows_reference(dst, dst_locs, src, src_locs[:2])
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 64])
+def test_index_row_copy_reference_matches_naive_loop(page_size):
+    g = torch.Generator().manual_seed(page_size)
+    width = page_size * 132
+    src, dst = _random_bytes((7, width), g), _random_bytes((5, width), g)
+    src_locs = torch.randperm(7 * page_size, generator=g)[: 3 * page_size]
+    dst_locs = torch.randperm(5 * page_size, generator=g)[: 3 * page_size]
+    want = dst.clone()
+    for s, d in zip(src_locs.tolist(), dst_locs.tolist()):  # K bytes, then the scale, of one token
+        sp, ss, dp, ds = s // page_size, s % page_size, d // page_size, d % page_size
+        want[dp, ds * 128: ds * 128 + 128] = src[sp, ss * 128: ss * 128 + 128]
+        base = page_size * 128
+        want[dp, base + ds * 4: base + ds * 4 + 4] = src[sp, base + ss * 4: base + ss * 4 + 4]
+    KernelDispatch().copy_index_rows(dst, dst_locs, src, src_locs, page_size)
+    assert torch.equal(dst, want)
+
+
 # -------------------------------------------------------------------- page remap
 @pytest.mark.parametrize("n", range(1, 9))
 def test_page_inverse_and_remap_match_naive_loop(n):

@@ -8,7 +8,8 @@ computes, on the device,
   (:func:`owned_rows_of` hands them to every owner store of this forward);
 * the dense placement of the sequence's pages (:mod:`.dense_layout`) and from it the
   *page inverse*, a logical page -> dense page table;
-* the dense location of every ``out_cache_loc`` row.
+* the dense location of every ``out_cache_loc`` row, and of the owned ones (the owner
+  copy reads them from the dense view, :mod:`.writes`).
 
 :func:`dense_metadata` then translates the backend's page tables (``page_table_1``,
 ``real_page_table``, ``page_table_1_flattened``) through the page inverse (one lookup per
@@ -53,6 +54,7 @@ class CpSharedBatchState:
     owned_physical_locs: torch.Tensor  # their physical locations in this rank's pool
     page_inverse: torch.Tensor  # (logical pages + 1,) int32: dense page of each page of the sequence, else 0
     dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
+    owned_dense_locs: torch.Tensor  # dense locations of the owned rows (the owner copy's source)
     debug: bool
     timer: Optional[object] = None  # the rank's StageTimer (stage_timer.py) when timing is on
 
@@ -107,7 +109,7 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
         layout=layout, kernels=kernels, group=group, page_map=page_map, prefix_len=prefix_len,
         extend_len=extend_len, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
         owned_physical_locs=owned_physical_locs, page_inverse=page_inverse, dense_out_locs=dense_out_locs,
-        debug=debug, timer=timer,
+        owned_dense_locs=dense_out_locs.index_select(0, owned_rows), debug=debug, timer=timer,
     )
 
 

@@ -3,10 +3,11 @@ calls the modules of this package. On a stock pool (the flag off) each is a pure
 pass-through to SGLang.
 
 Order within one forward: ``init_forward_metadata`` (batch state) -> per layer: the
-indexer's key all-gather (re-range) and index store (owner write + index view) -> the
-latent all-gather (re-range) and ``forward_extend`` (the layer's MLA history, prefetched or
-gathered now; the next layer's history prefetch started; owner write; the chunk into the
-MLA view; stock kernels) -> the final hidden-state all-gather (re-range).
+indexer's key all-gather (re-range) and index store (index view: history gathered, chunk
+stored, owned rows copied to the shard) -> the latent all-gather (re-range) and
+``forward_extend`` (the layer's MLA history, prefetched or gathered now; the next layer's
+history prefetch started; the chunk into the MLA view, owned rows copied to the shard;
+stock kernels) -> the final hidden-state all-gather (re-range).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
 
 
 def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, key, *args, **kwargs):
-    """AROUND ``Indexer._store_index_k_cache``: the owned keys into this rank's shard, then
-    the layer's dense index view (history gathered, the chunk stored by SGLang's store)."""
+    """AROUND ``Indexer._store_index_k_cache``: the layer's dense index view (history
+    gathered, the chunk stored by SGLang's store), and this rank's owned keys from it into
+    its shard."""
     state = batch_state_of(forward_batch)
     if state is None:
         return original(indexer, forward_batch, layer_id, key, *args, **kwargs)
@@ -59,8 +61,6 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     def sglang_store(batch, layer, keys):
         original(indexer, batch, layer, keys, *args, **kwargs)
 
-    with marked("owner_write", state.timer):
-        writes.store_owned_index_rows(sglang_store, forward_batch, state, layer_id, key)
     materialize.materialize_index(
         state, forward_batch.token_to_kv_pool, layer_id,
         lambda dense: writes.store_index_rows_into(sglang_store, forward_batch, state, layer_id, key, dense))
@@ -68,8 +68,9 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
 
 
 def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-    """AROUND ``NativeSparseAttnBackend.forward_extend``: the owner write, the layer's dense
-    MLA view, then SGLang's ``forward_extend`` reading that view (and storing nothing)."""
+    """AROUND ``NativeSparseAttnBackend.forward_extend``: the layer's dense MLA view (and
+    from it the owned rows into the shard), then SGLang's ``forward_extend`` reading that
+    view (and storing nothing)."""
     state = batch_state_of(forward_batch)
     if state is None:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
@@ -79,9 +80,6 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
     # prefetched during the layer before, or gathered now
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
     prefetch.prefetch_next(state, pool, layer.layer_id)
-    if chunk is not None:
-        with marked("owner_write", state.timer):
-            pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
     pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
     try:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)

@@ -3,14 +3,18 @@
 Per layer, on every CP rank, in the same order (the hooks in :mod:`.hooks` call these):
 
 1. index (from the ``Indexer._store_index_k_cache`` hook): :func:`materialize_index` --
-   one all-gather of the owned history pages of the index buffer, then SGLang's own index
-   store of the current chunk into the dense view; the indexer's K/scale reads (prev and
-   next segments alike) are then served from it;
-2. MLA (from the ``NativeSparseAttnBackend.forward_extend`` hook): the owner-only write,
-   then :func:`materialize_mla` -- one all-gather of the owned history pages of the latent
-   cache and SGLang's own store of the current chunk into the dense view -- then the stock
-   ``forward_extend`` with the dense view as its KV cache. Both views are released when
-   it returns.
+   one all-gather of the owned history pages of the index buffer, SGLang's own index
+   store of the current chunk into the dense view, then the owner copy of this rank's
+   chunk rows from the view into its shard; the indexer's K/scale reads (prev and next
+   segments alike) are then served from the view;
+2. MLA (from the ``NativeSparseAttnBackend.forward_extend`` hook): :func:`materialize_mla`
+   (or a prefetched history and :func:`finish_mla_view`) -- one all-gather of the owned
+   history pages of the latent cache, SGLang's own store of the current chunk into the
+   dense view, the owner copy into the shard -- then the stock ``forward_extend`` with
+   the dense view as its KV cache. Both views are released when it returns.
+
+Each chunk row is quantised once per layer, into the view; the shard receives the bytes
+of its owned rows from there (:mod:`.writes`).
 
 A collective happens only when the sequence has history (M_h > 0), and its size
 derives from the logical page list (identical on all ranks). Pages move as int64
@@ -29,7 +33,7 @@ import torch
 
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
-from sglang_cp_shared_kv.forward.writes import store_mla_rows_into
+from sglang_cp_shared_kv.forward.writes import copy_owned_index_rows, copy_owned_mla_rows, store_mla_rows_into
 from sglang_cp_shared_kv.kernels import KernelDispatch
 from sglang_cp_shared_kv.nvtx import marked
 
@@ -94,10 +98,11 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
                                 page_words(shard, shard.shape[0]), page_map.history_send, state.group,
                                 timer=state.timer)
     store_chunk_into(dense)
+    with marked("owner_write", state.timer):
+        copy_owned_index_rows(pool, state, layer_id, dense)
     if state.debug:
-        _check_owned_rows_match(
-            state, "index", index_rows(shard, state.owned_physical_locs, page_size),
-            index_rows(dense, state.dense_out_locs.index_select(0, state.owned_rows), page_size))
+        _check_owned_rows_match(state, "index", index_rows(shard, state.owned_physical_locs, page_size),
+                                index_rows(dense, state.owned_dense_locs, page_size))
         logger.debug("CP shared KV layer %d index: dense %d pages, received %d B", layer_id,
                      page_map.num_dense_pages, received)
     pool.set_index_view(layer_id, dense)
@@ -138,8 +143,9 @@ def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *,
 def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
                     chunk: Optional[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The complete dense MLA view of ``layer``: ``history`` (waited for), then ``chunk`` =
-    (k_nope, k_rope) of the current rows stored into it, or, when None, the current region
-    gathered from the shards as well (the phase-2 full view)."""
+    (k_nope, k_rope) of the current rows stored into it and this rank's owned rows copied
+    from it into the shard, or, when None, the current region gathered from the shards as
+    well (the phase-2 full view; the chunk was written to the shards before)."""
     page_map, page_size = state.page_map, state.layout.page_size
     history.wait()
     dense, received = history.dense, history.received
@@ -151,9 +157,10 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     else:
         with marked("materialize:chunk", state.timer):
             store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
+        with marked("owner_write", state.timer):
+            copy_owned_mla_rows(pool, state, layer.layer_id, dense)
         if state.debug:
-            dense_locs = state.dense_out_locs.index_select(0, state.owned_rows)
-            _check_owned_rows_match(state, "MLA", shard[state.owned_physical_locs], dense[dense_locs])
+            _check_owned_rows_match(state, "MLA", shard[state.owned_physical_locs], dense[state.owned_dense_locs])
     if state.debug:
         logger.debug("CP shared KV layer %d MLA: dense %d pages, received %d B%s", layer.layer_id,
                      page_map.num_dense_pages, received, "" if chunk is not None else " (full view)")

@@ -1,15 +1,15 @@
-"""Owner-only KV and index writes, and the current chunk's stores into a dense view.
+"""The current chunk's stores into a dense view, and the owner copy into this rank's shard.
 
-A rank stores only the rows of the pages it owns, at their physical locations:
+Per layer the current chunk is quantised and stored **once**, into the layer's dense view
+(:func:`store_mla_rows_into`, :func:`store_index_rows_into`, called by :mod:`.materialize`);
+the rows whose page this rank owns are then copied byte for byte from the view into the
+shard, at their physical locations (:func:`copy_owned_mla_rows`,
+:func:`copy_owned_index_rows`). NOTE: storing the owned rows from the gathered chunk
+instead, as phase 2 did, quantised each of them twice and read the chunk twice.
 
-* MLA latent rows: :func:`store_owned_mla_rows`, called by
-  ``CpSharedNSATokenToKVPool.set_mla_kv_buffer`` (every CUDA MLA writer of SGLang goes
-  through it);
-* NSA index K/scale: :func:`store_owned_index_rows`, from the ``_store_index_k_cache``
-  hook (:mod:`.hooks`).
-
-The materialize step (:mod:`.materialize`) stores the current chunk into the layer's dense
-view with :func:`store_mla_rows_into` and :func:`store_index_rows_into`.
+Any other MLA writer of SGLang (the full-view path, where the chunk was written before
+``forward_extend``) goes through ``CpSharedNSATokenToKVPool.set_mla_kv_buffer``, which
+stores the owned rows of what it is given: :func:`store_owned_mla_rows`.
 
 Every store takes the fused kernel of ``sgl-kernel/`` where it writes SGLang's bytes
 (:class:`~sglang_cp_shared_kv.kernels.KernelDispatch`), and SGLang's own store otherwise,
@@ -19,7 +19,7 @@ on the dummy page 0 (SGLang's padding) have no owner and are never written to a 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -76,32 +76,33 @@ def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_s
     return _FUSED_INDEX_STORE[flags]
 
 
-def _store_index_rows(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
-                      rows: Optional[torch.Tensor], locs: torch.Tensor, buffer: torch.Tensor) -> None:
-    """Key ``rows`` (None: all) at index locations ``locs`` of ``buffer``, by the fused kernel
-    or by ``sglang_store(forward_batch, layer_id, key)``: SGLang's own store, which writes
-    at ``forward_batch.out_cache_loc`` into the buffer the pool names for the layer."""
-    pool = forward_batch.token_to_kv_pool
+def store_index_rows_into(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
+                          key: torch.Tensor, dense: torch.Tensor) -> None:
+    """Every index key of the chunk at its dense location in the layer's dense view, by the
+    fused kernel or by ``sglang_store(forward_batch, layer_id, key)``: SGLang's own store,
+    which writes at ``forward_batch.out_cache_loc`` into the buffer the pool names for the
+    layer."""
+    pool, locs = forward_batch.token_to_kv_pool, state.dense_out_locs
 
     def stock():
-        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, buffer):
-            sglang_store(forward_batch, layer_id, key if rows is None else key.index_select(0, rows))
+        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, dense):
+            sglang_store(forward_batch, layer_id, key)
 
     if _sglang_uses_fused_index_store(key, locs, pool.page_size):
-        pool.context.kernels.store_index_rows(buffer, rows, locs, key, stock=stock, page_size=pool.page_size)
+        pool.context.kernels.store_index_rows(dense, None, locs, key, stock=stock, page_size=pool.page_size)
     else:
         stock()
 
 
-def store_owned_index_rows(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
-                           key: torch.Tensor) -> None:
-    """The index keys of the rows this rank owns, at their physical locations in its shard."""
-    if state.num_owned_rows:
-        _store_index_rows(sglang_store, forward_batch, layer_id, key, state.owned_rows, state.owned_physical_locs,
-                          forward_batch.token_to_kv_pool.physical_index_buffer(layer_id))
+# ------------------------------------------------------------------------ owner copy
+def copy_owned_mla_rows(pool, state: CpSharedBatchState, layer_id: int, dense: torch.Tensor) -> None:
+    """This rank's owned chunk rows of the layer's dense MLA view into its shard."""
+    pool.context.kernels.copy_mla_rows(pool.physical_kv_buffer(layer_id), state.owned_physical_locs, dense,
+                                       state.owned_dense_locs)
 
 
-def store_index_rows_into(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
-                          key: torch.Tensor, dense: torch.Tensor) -> None:
-    """Every index key of the chunk at its dense location in the layer's dense view."""
-    _store_index_rows(sglang_store, forward_batch, layer_id, key, None, state.dense_out_locs, dense)
+def copy_owned_index_rows(pool, state: CpSharedBatchState, layer_id: int, dense: torch.Tensor) -> None:
+    """This rank's owned chunk rows of the layer's dense index view into its shard."""
+    pool.context.kernels.copy_index_rows(pool.physical_index_buffer(layer_id), state.owned_physical_locs, dense,
+                                         state.owned_dense_locs, pool.page_size)
+

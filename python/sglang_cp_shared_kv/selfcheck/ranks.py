@@ -130,10 +130,10 @@ def _prefill(rig, options: SelfcheckOptions, events):
     skip_writes = options.inject == "skip-write" and rig.rank == 1
     if skip_writes:  # rank 1 drops its owner-only MLA and index writes
         from sglang_cp_shared_kv import pool as pool_module
-        from sglang_cp_shared_kv.forward import writes
+        from sglang_cp_shared_kv.forward import materialize
 
         pool_module.store_owned_mla_rows = lambda *args, **kwargs: None
-        writes.store_owned_index_rows = lambda *args, **kwargs: None
+        materialize.copy_owned_mla_rows = materialize.copy_owned_index_rows = lambda *args, **kwargs: None
     prefix_pages = options.prefix_len // PAGE_SIZE
     if prefix_pages:
         donor = rig.new_request()

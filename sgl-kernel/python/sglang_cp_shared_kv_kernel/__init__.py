@@ -4,6 +4,7 @@ One module per kernel, each with its torch reference beside it:
 
 * :mod:`.mla_store` -- fused owner store of MLA latent rows (bf16/fp16, packed fp8);
 * :mod:`.index_store` -- fused owner store of NSA indexer keys (fp8 K + fp32 scale pages);
+* :mod:`.row_copy` -- owned token rows (MLA, index) copied from the dense view to the shard;
 * :mod:`.page_pack` -- gather of a rank's send pages into the all-gather buffer;
 * :mod:`.page_remap` -- logical -> dense page-inverse table and location remap;
 * :mod:`.rerange` -- the in-seq CP all-gather re-order as one copy.
@@ -34,9 +35,16 @@ from sglang_cp_shared_kv_kernel.rerange import (
     rerange_rows,
     segment_table,
 )
+from sglang_cp_shared_kv_kernel.row_copy import (
+    copy_index_rows,
+    copy_index_rows_reference,
+    copy_mla_rows,
+    copy_mla_rows_reference,
+)
 
 __all__ = [
-    "build_page_inverse", "build_page_inverse_reference", "in_seq_segments", "pack_pages",
+    "build_page_inverse", "copy_index_rows", "copy_index_rows_reference", "copy_mla_rows",
+    "copy_mla_rows_reference", "build_page_inverse_reference", "in_seq_segments", "pack_pages",
     "pack_pages_reference", "remap_locs", "remap_locs_reference", "rerange_in_seq",
     "rerange_in_seq_reference", "rerange_rows", "segment_table", "store_index_rows",
     "store_index_rows_reference", "store_mla_rows", "store_mla_rows_fp8", "store_mla_rows_fp8_reference",
