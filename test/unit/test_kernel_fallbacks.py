@@ -83,8 +83,12 @@ def test_cuda_tensors_run_the_kernels_and_log_nothing(monkeypatch, caplog):
     assert dispatch.pack_pages(torch.zeros(3, 2, dtype=torch.int64), torch.tensor([1])) == "kernel-result"
     assert dispatch.remap_locs(torch.arange(3), torch.zeros(4, dtype=torch.int32), 64) == "kernel-result"
     assert dispatch.build_page_inverse(torch.tensor([1]), torch.tensor([1]), 4) == "kernel-result"
+    rows = torch.zeros(4, 1, 576, dtype=torch.bfloat16)
+    dispatch.copy_mla_rows(rows, torch.tensor([1]), rows, torch.tensor([2]))
+    index = torch.zeros(2, 64 * 132, dtype=torch.uint8)
+    dispatch.copy_index_rows(index, torch.tensor([1]), index, torch.tensor([70]))
     assert package.calls == ["store_mla_rows", "store_mla_rows_fp8", "store_index_rows", "pack_pages",
-                             "remap_locs", "build_page_inverse"]
+                             "remap_locs", "build_page_inverse", "copy_mla_rows", "copy_index_rows"]
     assert stock == [] and not [r for r in caplog.records if r.name == LOGGER]
 
 
@@ -151,7 +155,7 @@ def test_the_references_are_the_kernel_packages_own():
 
     source = inspect.getsource(kernels)
     for reference in ("pack_pages_reference", "build_page_inverse_reference", "remap_locs_reference",
-                      "rerange_in_seq_reference"):
+                      "rerange_in_seq_reference", "copy_mla_rows_reference", "copy_index_rows_reference"):
         assert f"package.{reference}(" in source
     assert "index_select" not in source and "torch.cat" not in source and "index_copy_" not in source
 
