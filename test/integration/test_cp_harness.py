@@ -59,6 +59,21 @@ def test_scenario_bit_exact(group, scenario):
     assert all(v["stats"]["topk_rows"] > 0 for v in outcomes.values())
 
 
+def test_each_chunk_row_is_quantised_once_per_layer(group):
+    """One store of the chunk per layer (into the dense view: MLA and index), and one owner
+    copy from the view into the shard: no second store of the owned rows."""
+    n, results = group
+    for key, outcome in _assert_clean(results, "chunked_prefill").items():
+        stats = outcome["stats"]
+        layers = stats["layers"]
+        assert layers > 0, key
+        calls = dict(stats["kernel_calls"])
+        # the index store is our kernel where it reproduces SGLang's fused store (CUDA), else SGLang's own
+        index_stores = calls.pop("store_index_rows", 0) + calls.pop("sglang_index_store", 0)
+        assert index_stores == layers, (key, stats)
+        assert calls == {"store_mla_rows": layers, "copy_mla_rows": layers, "copy_index_rows": layers}, (key, stats)
+
+
 def test_soak_bit_exact(group):
     n, results = group
     if n not in SOAK_N:

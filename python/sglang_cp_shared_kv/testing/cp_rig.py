@@ -85,8 +85,29 @@ class Rig:
         self.indexer = SimpleNamespace(block_size=128, scale_fmt=None)
         self.layers = [SimpleNamespace(layer_id=i) for i in range(LAYERS)]
         self.errors: List[str] = []
-        self.stats = {"forwards": 0, "layers": 0, "topk_rows": 0}
+        self.stats = {"forwards": 0, "layers": 0, "topk_rows": 0, "kernel_calls": {}}
+        self._count_writes(self.shared.context.kernels, self.stats["kernel_calls"])
         self.forward_counter = 0
+
+    @staticmethod
+    def _count_writes(kernels, counts: dict) -> None:
+        """Count the shared pool's row stores and owner copies (``stats["kernel_calls"]``):
+        one MLA and one index store per layer says each chunk row is quantised once."""
+        for name in ("store_mla_rows", "store_index_rows", "copy_mla_rows", "copy_index_rows"):
+            def counted(*args, _method=getattr(kernels, name), _name=name, **kwargs):
+                counts[_name] = counts.get(_name, 0) + 1
+                return _method(*args, **kwargs)
+
+            setattr(kernels, name, counted)
+
+    def _counted_sglang_index_store(self, *args, **kwargs):
+        """SGLang's ``Indexer._store_index_k_cache`` as the shared pool's hook calls it (where
+        the fused kernel does not apply, e.g. on CPU), counted like the kernels."""
+        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+
+        counts = self.stats["kernel_calls"]
+        counts["sglang_index_store"] = counts.get("sglang_index_store", 0) + 1
+        return Indexer._store_index_k_cache(*args, **kwargs)
 
     # ------------------------------------------------------------ requests
     def new_request(self) -> Request:
@@ -186,7 +207,7 @@ class Rig:
             where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
             # ---- indexer: store, then what its kernels read
             key = self._rand(gen, rows, INDEX_DIM)
-            store_index_k_owned_and_dense(Indexer._store_index_k_cache, self.indexer, fb_s, lid, key,
+            store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, lid, key,
                                           act_quant=act_quant)
             Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant)
             k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
