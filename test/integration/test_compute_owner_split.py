@@ -12,8 +12,7 @@ Other chunks (a prompt's last, shorter chunk) are split token-balanced by SGLang
 page on a segment boundary is computed by two ranks; the write path does not depend on
 it (each rank stores its owned rows from the gathered chunk, see docs/design.md).
 
-SGLang's metadata is built by its own function on CPU (its ``device="cuda"`` tensors made
-on the CPU, as in test_kernel_rerange_sglang.py); the pages come from the plugin's real
+SGLang's metadata is built by its own function on CPU (``testing.support.sglang_cp_utils_on_cpu``); the pages come from the plugin's real
 allocator (``testing.allocation.request_pages``).
 """
 
@@ -26,28 +25,12 @@ from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 from sglang_cp_shared_kv.page_split import page_aligned_split
 from sglang_cp_shared_kv.testing.allocation import request_pages
-
-
-class _TorchOnCpu:
-    """``torch`` as cp_utils sees it, with ``device="cuda"`` tensors made on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, **kwargs)
+from sglang_cp_shared_kv.testing.support import sglang_cp_utils_on_cpu
 
 
 @pytest.fixture
 def cp_utils(monkeypatch):
-    from sglang.srt.layers.attention.nsa import utils as nsa_utils
-    from sglang.srt.layers.utils import cp_utils
-
-    monkeypatch.setattr(nsa_utils, "is_nsa_prefill_cp_round_robin_split", lambda: False)
-    monkeypatch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
-    monkeypatch.setattr(cp_utils, "torch", _TorchOnCpu())
-    return cp_utils
+    return sglang_cp_utils_on_cpu(monkeypatch)
 
 
 def sglang_positions_by_rank(cp_utils, prefix_len: int, extend_len: int, n: int):

@@ -10,19 +10,9 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.testing.support import sglang_cp_utils_on_cpu
 
 K = pytest.importorskip("sglang_cp_shared_kv_kernel")
-
-
-class _TorchOnCpu:
-    """``torch`` as cp_utils sees it, with ``device="cuda"`` tensors made on the CPU."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, **kwargs)
 
 
 class _GatherStandIn:
@@ -37,14 +27,9 @@ class _GatherStandIn:
 
 @pytest.fixture
 def sglang_cp(monkeypatch):
-    from sglang.srt.layers.attention.nsa import utils as nsa_utils
-    from sglang.srt.layers.utils import cp_utils
-
-    monkeypatch.setattr(nsa_utils, "is_nsa_prefill_cp_round_robin_split", lambda: False)
-    monkeypatch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
+    cp_utils = sglang_cp_utils_on_cpu(monkeypatch)
     monkeypatch.setattr(cp_utils, "is_allocation_symmetric", lambda: False)
     monkeypatch.setattr(cp_utils, "use_symmetric_memory", lambda *a, **k: nullcontext())
-    monkeypatch.setattr(cp_utils, "torch", _TorchOnCpu())
     return cp_utils, monkeypatch
 
 

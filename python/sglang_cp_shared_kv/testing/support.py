@@ -122,3 +122,32 @@ def gloo_attention_cp_group(rank: int, n: int, port: int, *, local_rank: int, ti
         use_npu_communicator=False, group_name="attn_cp", gloo_timeout=timedelta(seconds=timeout_s),
     )
     return ps._ATTN_CP
+
+
+class TorchOnCpu:
+    """``torch`` as a module of SGLang sees it, with ``device="cuda"`` tensors made on the
+    CPU (``prepare_context_parallel_metadata`` builds its length tensors on "cuda")."""
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args, device=None, **kwargs):
+        import torch
+
+        return torch.tensor(*args, **kwargs)
+
+
+def sglang_cp_utils_on_cpu(monkeypatch):
+    """SGLang's ``cp_utils`` as an in-seq-split NSA CP server runs it, on the CPU: in-seq
+    split on, round-robin off, its "cuda" tensors on the CPU. ``monkeypatch``: pytest's,
+    which undoes all of it after the test."""
+    from sglang.srt.layers.attention.nsa import utils as nsa_utils
+    from sglang.srt.layers.utils import cp_utils
+
+    monkeypatch.setattr(nsa_utils, "is_nsa_prefill_cp_round_robin_split", lambda: False)
+    monkeypatch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
+    monkeypatch.setattr(cp_utils, "torch", TorchOnCpu())
+    return cp_utils
