@@ -6,7 +6,8 @@ around SGLang's real classes (``ForwardBatch``, ``NSAMetadata``, ``Indexer._stor
 Per layer it compares, bit for bit: the index K/scale the indexer reads (full and
 rank-dependent lengths, the fused K+scale read too), the top-k of a torch reference
 indexer, and the kernel inputs and reference attention output of
-:mod:`.attention_reference`. Mismatches are collected in ``errors``, never raised, so
+:mod:`.attention_reference`; after each forward, the chunk rows this rank owns as its
+shard holds them (MLA and index) against the replicated pool's. Mismatches are collected in ``errors``, never raised, so
 every rank keeps issuing the same collectives.
 """
 
@@ -235,8 +236,26 @@ class Rig:
                 self._expect_equal(f"{where}: {name}", got[name], want[name])
             self.stats["layers"] += 1
             self.stats["topk_rows"] += int((positions >= 0).sum())
+        self._compare_shard_writes(f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len})", locs)
         self.stats["forwards"] += 1
         self.shared.end_batch()
+
+    def _compare_shard_writes(self, where, locs):
+        """The chunk rows this rank owns, as its shard now holds them (MLA and index, every
+        layer), against the replicated pool's rows at the same logical locations."""
+        from sglang_cp_shared_kv.forward.materialize import index_rows
+
+        owned = self.layout.owned_by_this_rank(locs, validate=False)
+        logical = locs[owned]
+        physical = self.layout.logical_locs_to_physical(logical, validate=False)
+        self.stats["shard_rows_compared"] = self.stats.get("shard_rows_compared", 0) + int(logical.numel())
+        for layer in self.layers:
+            lid = layer.layer_id
+            self._expect_equal(f"{where} layer {lid}: shard MLA rows", self.shared.physical_kv_buffer(lid)[physical],
+                               self.replicated.kv_buffer[lid][logical])
+            self._expect_equal(f"{where} layer {lid}: shard index rows",
+                               index_rows(self.shared.physical_index_buffer(lid), physical, PAGE),
+                               index_rows(self.replicated.index_k_with_scale_buffer[lid], logical, PAGE))
 
     def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
         """The index K/scale the indexer kernels read, at the lengths the CP segments read."""
