@@ -10,9 +10,10 @@ exactly when the chunk starts on a page boundary and its length is a multiple of
 Then every page of the chunk has exactly one computing rank and it is the page's owner.
 Other chunks (a prompt's last, shorter chunk) are split token-balanced by SGLang, so a
 page on a segment boundary is computed by two ranks; the write path does not depend on
-it (each rank stores its owned rows from the gathered chunk, see docs/design.md).
+it (each rank copies its owned rows out of the dense view, see docs/design.md).
 
-SGLang's metadata is built by its own function on CPU (``testing.support.sglang_cp_utils_on_cpu``); the pages come from the plugin's real
+SGLang's metadata is built by its own function on CPU
+(``testing.support.sglang_cp_utils_on_cpu``); the pages come from the plugin's real
 allocator (``testing.allocation.request_pages``).
 """
 

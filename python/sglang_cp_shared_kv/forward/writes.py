@@ -105,4 +105,3 @@ def copy_owned_index_rows(pool, state: CpSharedBatchState, layer_id: int, dense:
     """This rank's owned chunk rows of the layer's dense index view into its shard."""
     pool.context.kernels.copy_index_rows(pool.physical_index_buffer(layer_id), state.owned_physical_locs, dense,
                                          state.owned_dense_locs, pool.page_size)
-

@@ -7,8 +7,8 @@ Per layer it compares, bit for bit: the index K/scale the indexer reads (full an
 rank-dependent lengths, the fused K+scale read too), the top-k of a torch reference
 indexer, and the kernel inputs and reference attention output of
 :mod:`.attention_reference`; after each forward, the chunk rows this rank owns as its
-shard holds them (MLA and index) against the replicated pool's. Mismatches are collected in ``errors``, never raised, so
-every rank keeps issuing the same collectives.
+shard holds them (MLA and index) against the replicated pool's. Mismatches are collected
+in ``errors``, never raised, so every rank keeps issuing the same collectives.
 """
 
 from __future__ import annotations
