@@ -13,7 +13,9 @@
 #   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
-#   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out).
+#   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out);
+#   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
+#   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out).
 # Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
 # DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster.
 set -uo pipefail
@@ -69,6 +71,12 @@ if [ -n "${PD:-}" ]; then
     > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
   tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
   grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
+fi
+if [ -n "${PD_BENCH:-}" ]; then
+  python3 scripts/bench_pd_transfer.py $PD_BENCH --workdir "$HOME/pd-bench-work" --out "$out/bench_pd_transfer.json" \
+    > "$out/bench_pd_transfer.txt" 2>&1 || status=1
+  tar -cJf "$out/pd-bench-logs.tar.xz" -C "$HOME/pd-bench-work" . 2>/dev/null
+  tail -30 "$out/bench_pd_transfer.txt"
 fi
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do

@@ -10,6 +10,7 @@ test building two configurations side by side -- each have their own.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -46,6 +47,9 @@ class CpSharedKVContext:
     prefetch_group: Optional[object] = None
     #: time per stage of this rank's work (``SGLANG_CP_SHARED_KV_NVTX=1`` at startup); None: off
     stage_timer: Optional[StageTimer] = None
+    #: forwards by how their chunk rows reached the shards, (index, MLA) -> count, each
+    #: "local" (stored by the computing rank, ``forward.local_writes``) or "gathered" (phase 3)
+    write_paths: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, CpSharedKVLayout):

@@ -14,6 +14,14 @@ exactly one segment and so has exactly one computing rank:
 * a chunk that touches fewer than 2N pages cannot be split this way (some segment would
   be empty): it keeps SGLang's token-balanced split, and its pages keep interleaved owners.
 
+SGLang itself keeps its token-balanced split for every chunk (the plugin does not change
+it; docs/design.md says why). :func:`token_split_page_ranks` reads that split page by page:
+a chunk that starts on a page boundary and is a multiple of 2N x 64 rows long -- every full
+chunk of a chunked prefill at SGLang's default 8,192 tokens for N = 2, 4, 8 -- is cut on
+page boundaries by SGLang too, into the very segments of the page-aligned split above, so
+compute-owner allocation made each of its pages the computing rank's
+(``forward.local_writes`` then stores each row where it was computed).
+
 Compute-owner allocation (:class:`~sglang_cp_shared_kv.allocator.CpSharedPagedTokenToKVPoolAllocator`)
 hands each *new* page of the chunk to its computing rank; the page the chunk shares with
 the prefix (when the prefix ends mid-page) was allocated before and keeps its owner.
@@ -25,7 +33,7 @@ CP ranks hold identically, so every rank makes the same decision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 
 def segment_rank(segment: int, cp_size: int) -> int:
@@ -87,3 +95,42 @@ def page_aligned_split(prefix_len: int, seq_len: int, page_size: int, cp_size: i
     base, extra = divmod(num_pages, segments)
     counts = tuple(base + (1 if s < extra else 0) for s in range(segments))
     return PageAlignedSplit(prefix_len, seq_len, page_size, cp_size, first, counts)
+
+
+# ------------------------------------------------------ SGLang's token-balanced split
+def segment_row_ranges(split_list: Sequence[int]) -> List[Tuple[int, int]]:
+    """[start, end) chunk rows of each segment of SGLang's in-seq split ``split_list`` (the
+    2N segment lengths of ``ContextParallelMetadata.split_list``, in sequence order)."""
+    out, start = [], 0
+    for length in split_list:
+        out.append((start, start + int(length)))
+        start += int(length)
+    return out
+
+
+def token_split_page_ranks(prefix_len: int, extend_len: int, split_list: Sequence[int], page_size: int,
+                           cp_size: int) -> Optional[Tuple[int, ...]]:
+    """The one rank computing each page the chunk ``[prefix_len, prefix_len + extend_len)``
+    touches when SGLang cuts its rows into the segments of ``split_list`` (rows past
+    ``extend_len`` are SGLang's padding: they compute nothing a page holds), or None when
+    some page has rows computed by two ranks.
+
+    SGLang cuts ``len(input_ids)`` rows token-balanced; the chunk is computed page by page
+    whenever every boundary between two ranks' segments falls on a page boundary."""
+    if len(split_list) != 2 * cp_size:
+        raise ValueError(f"split_list has {len(split_list)} segments, in-seq split with cp_size={cp_size} has "
+                         f"{2 * cp_size}")
+    if extend_len < 1 or sum(split_list) < extend_len:
+        raise ValueError(f"split_list {list(split_list)} does not cover the chunk's {extend_len} rows")
+    first = prefix_len // page_size
+    ranks: List[Optional[int]] = [None] * ((prefix_len + extend_len - 1) // page_size - first + 1)
+    for segment, (start, end) in enumerate(segment_row_ranges(split_list)):
+        end = min(end, extend_len)
+        if end <= start:
+            continue
+        rank = segment_rank(segment, cp_size)
+        for page in range((prefix_len + start) // page_size - first, (prefix_len + end - 1) // page_size - first + 1):
+            if ranks[page] is not None and ranks[page] != rank:
+                return None
+            ranks[page] = rank
+    return tuple(ranks)  # every page has a rank: the segments cover every real row

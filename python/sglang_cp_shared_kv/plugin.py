@@ -22,6 +22,7 @@ _NSA_BACKEND = "sglang.srt.layers.attention.nsa_backend.NativeSparseAttnBackend"
 _INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
+_MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 
 HOOKS = (
     # --- the flag, validation, capacity, metrics
@@ -38,6 +39,10 @@ HOOKS = (
     HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
     HookSpec(f"{_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),
     HookSpec(f"{_NSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
+    # local writes: a chunk computed page by page by its pages' owners is stored where it
+    # was computed, and SGLang's all-gathers of its index key and latent are left out
+    HookSpec(f"{_INDEXER}._get_q_k_bf16", forward.index_key_kept_local, "around"),
+    HookSpec(f"{_MLA_ATTENTION}.rebuild_cp_kv_cache", forward.latent_kept_local, "around"),
     # the in-seq CP all-gather (latent, index key, hidden) re-ordered by one kernel; the
     # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
     HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",

@@ -84,6 +84,9 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
         self._index_view: Optional[Tuple[int, torch.Tensor]] = None
         self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
         self._prefetched = None  # the next layer's MLA history being gathered (forward.prefetch)
+        #: (the batch's CP metadata, its forward.local_writes.LocalWrites), decided at its first layer
+        self.local_writes = None
+        self._gathers_kept_local = False  # within Indexer._get_q_k_bf16 of a local-writes forward
 
     @property
     def cp_layout(self):
@@ -97,6 +100,7 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
 
     def end_batch(self) -> None:
         self.batch_state = None
+        self.local_writes = None
         self._prefetched = None  # only a failed forward leaves one: the last layer starts nothing
         self.clear_views()
 
@@ -109,6 +113,17 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
 
     def set_index_view(self, layer_id: int, dense: torch.Tensor) -> None:
         self._index_view = (layer_id, dense)
+
+    @contextmanager
+    def in_seq_gathers_kept_local(self):
+        """Within the block, SGLang's in-seq all-gather returns this rank's rows as they are
+        (the index key of a local-writes forward, ``forward.local_writes``)."""
+        with attributes_set(self, _gathers_kept_local=True):
+            yield
+
+    @property
+    def gathers_kept_local(self) -> bool:
+        return self._gathers_kept_local
 
     def put_prefetched(self, history) -> None:
         """Keep the next layer's MLA history (``forward.materialize.MlaHistory``) until it is taken."""

@@ -10,16 +10,19 @@ scenario runs with the debug checks on only (they add checks, not a different pa
 the 200-mix soak runs at N = 2, 3 and 4.
 """
 
+from collections import Counter
+
 import pytest
 
 from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
-             "fewer_pages_than_ranks", "full_view_fallback")
+             "fewer_pages_than_ranks", "full_view_fallback", "aligned_chunked_prefill", "aligned_radix_hit")
 DTYPES = ("bf16", "fp8_e4m3")
 # phase 8: the one-layer-ahead MLA history gather, where there is history to gather
 PREFETCH_N = (2, 3, 4)
-PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "corrupted_shard_is_detected")
+PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "aligned_chunked_prefill",
+                      "corrupted_shard_is_detected")
 SOAK_N = (2, 3, 4)
 
 
@@ -74,6 +77,33 @@ def test_each_chunk_row_is_quantised_once_per_layer(group):
         assert calls == {"store_mla_rows": layers, "copy_mla_rows": layers, "copy_index_rows": layers}, (key, stats)
 
 
+#: aligned_chunked_prefill's four chunks, how each reached the shards: two page-aligned
+#: chunks, one a row short of that (SGLang pads it), one cut mid-page; with fp8 KV the first
+#: (no prefix) keeps SGLang's latent gather, which its RAGGED attention reads
+LOCAL, MLA_GATHERED, GATHERED = "index=local,mla=local", "index=local,mla=gathered", "index=gathered,mla=gathered"
+ALIGNED_PATHS = {"bf16": [LOCAL, LOCAL, LOCAL, GATHERED], "fp8_e4m3": [MLA_GATHERED, LOCAL, LOCAL, GATHERED]}
+
+
+def test_local_writes_leave_out_sglangs_chunk_gathers(group):
+    """A chunk SGLang cuts page by page, on pages its computing ranks own: each rank stores
+    its own index keys and latent rows into its shard (one store per layer each, no owner
+    copy) and SGLang's two in-seq all-gathers of the chunk are not issued; every other chunk
+    is gathered by SGLang and copied out of the views (phase 3). Bit-exact either way (the
+    scenario test above)."""
+    n, results = group
+    for key, outcome in _assert_clean(results, "aligned_chunked_prefill").items():
+        stats, paths = outcome["stats"], ALIGNED_PATHS[key.split("/")[1]]
+        assert stats["write_paths"] == dict(Counter(paths)), (key, stats["write_paths"])
+        per_forward = stats["layers"] // stats["forwards"]
+        gathered_index = per_forward * sum("index=gathered" in p for p in paths)
+        gathered_mla = per_forward * sum("mla=gathered" in p for p in paths)
+        assert stats["sglang_gathers"] == {"index key": gathered_index, "latent": gathered_mla}, (key, stats)
+        calls = dict(stats["kernel_calls"])
+        assert calls.pop("store_index_rows", 0) + calls.pop("sglang_index_store", 0) == stats["layers"], key
+        assert calls == {"store_mla_rows": stats["layers"], "copy_index_rows": gathered_index,
+                         "copy_mla_rows": gathered_mla}, (key, calls)
+
+
 def test_soak_bit_exact(group):
     n, results = group
     if n not in SOAK_N:
@@ -83,6 +113,9 @@ def test_soak_bit_exact(group):
         assert stats["mixes"] >= 200 and stats["forwards"] >= 200
         # the mixes exercise both allocation paths: compute-owner chunks and short (interleaved) ones
         assert stats["allocation"]["compute_owner_chunks"] > 0 and stats["allocation"]["short_chunks"] > 0
+        # and both write paths: chunks stored where they were computed, chunks gathered
+        assert stats["write_paths"].get("index=local,mla=local", 0) > 0, stats["write_paths"]
+        assert stats["write_paths"].get("index=gathered,mla=gathered", 0) > 0, stats["write_paths"]
 
 
 def test_lane_exhaustion_falls_back_alike_on_every_rank(group):

@@ -12,7 +12,7 @@
   stock pool run SGLang's function. On CPU the kernel cannot run, so the plugin path
   is forced there and ``KernelDispatch.rerange_in_seq`` takes its reference after the all-gather;
   the group's all-gather skips a custom op that has no CPU kernel
-  (:func:`cpu_all_gather_through_gloo`). Rank processes are forked from a forkserver that
+  (``testing.support.all_gather_through_gloo``). Rank processes are forked from a forkserver that
   imported SGLang once, which keeps N = 8 fast on two cores.
 * In process: the pre-collective decision (flag, metadata, split mode, input rank,
   device, debug mode; never a per-rank kernel failure).
@@ -39,7 +39,13 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.testing.support import free_port, gloo_attention_cp_group, run_rank_processes
+from sglang_cp_shared_kv.testing.support import (
+    all_gather_through_gloo,
+    free_port,
+    gloo_attention_cp_group,
+    in_seq_cp_server_args,
+    run_rank_processes,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTHS = {"latent": 576, "index_key": 128, "hidden": 7168}  # bf16 rows as the model gathers them
@@ -52,10 +58,7 @@ def lengths(n: int):
     return sorted({1, n, 2 * n - 1, 2 * n, 2 * n + 1, 4 * n + 3, 64 * n, 333, 1000 + n})
 
 
-def server_args(mode: str = "in-seq-split"):
-    """What SGLang's CP helpers read from the global server arguments."""
-    return SimpleNamespace(enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode=mode,
-                           enable_symm_mem=False)
+server_args = in_seq_cp_server_args
 
 
 class _TensorsOnCpu:
@@ -257,18 +260,9 @@ def _init_group(rank: int, n: int, port: int):
     from sglang.srt import server_args as sa
 
     group = gloo_attention_cp_group(rank, n, port, local_rank=rank, timeout_s=120)
-    cpu_all_gather_through_gloo(group)
+    all_gather_through_gloo(group)
     sa._global_server_args = server_args()
     return group
-
-
-def cpu_all_gather_through_gloo(group) -> None:
-    """The one CPU stand-in: ``GroupCoordinator.all_gather_into_tensor`` (which
-    ``cp_all_gather_into_tensor_async`` calls without pynccl) dispatches to a registered
-    custom op that has no CPU kernel; call the method that op wraps,
-    ``_all_gather_into_tensor`` (``torch.distributed.all_gather_into_tensor`` on the gloo
-    group), directly. Everything above it is SGLang's code."""
-    group.all_gather_into_tensor = group._all_gather_into_tensor
 
 
 def _rank_main(rank: int, n: int, port: int, out_dir: str):

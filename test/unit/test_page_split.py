@@ -1,4 +1,5 @@
-"""The page-aligned zigzag split and the compute-owner page order, against direct counts."""
+"""The page-aligned zigzag split, SGLang's token split read page by page, and the
+compute-owner page order, against direct counts."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from hypothesis import strategies as st
 from sglang_cp_shared_kv.allocator import compute_owner_order
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.page_split import page_aligned_split, segment_rank
+from sglang_cp_shared_kv.page_split import page_aligned_split, segment_rank, segment_row_ranges, token_split_page_ranks
 
 
 def test_zigzag_ranks():
@@ -57,6 +58,43 @@ def test_every_page_has_one_computing_rank(prefix, extend, n):
         assert ranks.count(r) == split.segment_pages[r] + split.segment_pages[2 * n - 1 - r]
     new = split.new_page_ranks()
     assert len(new) == -(-(prefix + extend) // PAGE) - -(-prefix // PAGE)  # SGLang's get_num_new_pages
+
+
+def test_token_split_read_page_by_page():
+    # N = 2, 512 rows in four 128-row segments: pages 0-1 rank 0, 2-5 rank 1, 6-7 rank 0
+    assert token_split_page_ranks(0, 512, [128] * 4, PAGE, 2) == (0, 0, 1, 1, 1, 1, 0, 0)
+    # one row short: the last row is SGLang's padding, the last page partial
+    assert token_split_page_ranks(0, 511, [128] * 4, PAGE, 2) == (0, 0, 1, 1, 1, 1, 0, 0)
+    # after a 128-row prefix: the sequence's pages 2..9
+    assert token_split_page_ranks(128, 512, [128] * 4, PAGE, 2) == (0, 0, 1, 1, 1, 1, 0, 0)
+    # 500 rows in 125-row segments: page 1 holds rows of ranks 0 and 1
+    assert token_split_page_ranks(0, 500, [125] * 4, PAGE, 2) is None
+    # a mid-page boundary between segments N-1 and N is inside one rank: still page by page
+    assert token_split_page_ranks(0, 448, [128, 96, 96, 128], PAGE, 2) == (0, 0, 1, 1, 1, 0, 0)
+    # a prefix ending mid-page: its first page holds history too, but the chunk's rows are rank 0's
+    assert token_split_page_ranks(10, 502, [118, 128, 128, 128], PAGE, 2) == (0, 0, 1, 1, 1, 1, 0, 0)
+    assert segment_row_ranges([3, 2, 2, 3]) == [(0, 3), (3, 5), (5, 7), (7, 10)]
+    with pytest.raises(ValueError):
+        token_split_page_ranks(0, 512, [128] * 6, PAGE, 2)  # 2N segments
+    with pytest.raises(ValueError):
+        token_split_page_ranks(0, 600, [128] * 4, PAGE, 2)  # the segments must cover the chunk
+
+
+@settings(max_examples=300, deadline=None)
+@given(prefix=st.integers(0, 3000), extend=st.integers(1, 5000), pad=st.integers(0, 7), n=st.integers(2, 8))
+def test_token_split_page_ranks_against_a_row_by_row_count(prefix, extend, pad, n):
+    rows = extend + pad
+    base, extra = divmod(rows, 2 * n)
+    split = [base + (1 if s < extra else 0) for s in range(2 * n)]  # SGLang's token-balanced cut
+    if 0 in split:
+        return
+    rank_of_row = [segment_rank(s, n) for s, length in enumerate(split) for _ in range(length)]
+    by_page = {}
+    for row in range(extend):  # padding rows compute nothing a page holds
+        by_page.setdefault((prefix + row) // PAGE, set()).add(rank_of_row[row])
+    want = tuple(next(iter(r)) for _, r in sorted(by_page.items())) if all(
+        len(r) == 1 for r in by_page.values()) else None
+    assert token_split_page_ranks(prefix, extend, split, PAGE, n) == want
 
 
 def _owners(pages, n):

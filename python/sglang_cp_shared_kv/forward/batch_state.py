@@ -57,6 +57,9 @@ class CpSharedBatchState:
     owned_dense_locs: torch.Tensor  # dense locations of the owned rows (the owner copy's source)
     debug: bool
     timer: Optional[object] = None  # the rank's StageTimer (stage_timer.py) when timing is on
+    #: the attention kernel reads the chunk's gathered KV rows themselves, not the cache
+    #: (fp8 flashmla_sparse RAGGED without a prefix): that chunk's latent must be gathered
+    chunk_kv_read_directly: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -94,7 +97,7 @@ def cp_device_group(layout: CpSharedKVLayout):
 
 def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, *, seq_pages: torch.Tensor,
                       prefix_len: int, extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
-                      debug: bool, timer=None) -> CpSharedBatchState:
+                      debug: bool, timer=None, chunk_kv_read_directly: bool = False) -> CpSharedBatchState:
     """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``
     (pages numbered below ``num_logical_pages``)."""
     page_size = layout.page_size
@@ -110,6 +113,7 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
         extend_len=extend_len, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
         owned_physical_locs=owned_physical_locs, page_inverse=page_inverse, dense_out_locs=dense_out_locs,
         owned_dense_locs=dense_out_locs.index_select(0, owned_rows), debug=debug, timer=timer,
+        chunk_kv_read_directly=chunk_kv_read_directly,
     )
 
 
@@ -128,9 +132,18 @@ def dense_metadata(metadata, state: CpSharedBatchState):
     return dataclasses.replace(metadata, **replaced)
 
 
-def build_for_forward(pool, metadata, forward_batch) -> Optional[CpSharedBatchState]:
+def attends_over_gathered_chunk(backend, forward_batch, prefix_len: int) -> bool:
+    """Whether ``backend``'s ``forward_extend`` attends over the chunk's gathered KV rows
+    (its ``k`` / ``k_rope`` arguments) instead of the cache: fp8 KV, ``flashmla_sparse``'s
+    RAGGED top-k transform, no prefix (SGLang 0.5.12.post1, ``nsa_backend.forward_extend``)."""
+    method = getattr(backend, "get_topk_transform_method", None)
+    return method is not None and prefix_len == 0 and method(forward_batch.forward_mode).name == "RAGGED"
+
+
+def build_for_forward(pool, metadata, forward_batch, backend=None) -> Optional[CpSharedBatchState]:
     """The state of ``forward_batch`` on the shared-KV ``pool`` (``metadata``: the NSA
-    backend's), or None for an idle batch; refuses what a shared-KV prefill rank cannot run."""
+    backend's; ``backend``: that backend), or None for an idle batch; refuses what a
+    shared-KV prefill rank cannot run."""
     mode = forward_batch.forward_mode
     if mode.is_idle():
         return None
@@ -151,6 +164,7 @@ def build_for_forward(pool, metadata, forward_batch) -> Optional[CpSharedBatchSt
         layout, pool.context.kernels, cp_device_group(layout), seq_pages=metadata.real_page_table[0, :num_pages],
         prefix_len=prefix_len, extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
         num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(), timer=pool.context.stage_timer,
+        chunk_kv_read_directly=attends_over_gathered_chunk(backend, forward_batch, prefix_len),
     )
 
 

@@ -47,6 +47,7 @@ class DensePageMap:
     dense_page: torch.Tensor  # (P,) int64: dense page of each sequence page
     history_send: torch.Tensor  # (M_h,) int64: this rank's physical pages, history region order
     current_send: torch.Tensor  # (M_c,) int64: same for the current region
+    current_owners: Tuple[int, ...] = ()  # owner of each current-only page, in sequence order (host)
 
     @property
     def num_dense_pages(self) -> int:
@@ -97,7 +98,9 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     """Place the ``P`` logical pages of one sequence (``seq_pages``, in sequence order;
     the first ``history_pages`` are history) in the dense scratch.
 
-    One host synchronisation reads the two block sizes, which size the collectives.
+    One host synchronisation reads the two block sizes, which size the collectives, and
+    the owners of the current-only pages (``forward.local_writes`` compares them with the
+    ranks that compute those pages).
     """
     seq_pages = seq_pages.to(torch.int64)
     num_pages = int(seq_pages.numel())
@@ -110,7 +113,8 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         torch.bincount(owners[:history_pages], minlength=n),
         torch.bincount(owners[history_pages:], minlength=n),
     ])
-    history_pad, current_pad = (int(x) for x in counts.max(dim=1).values.tolist())
+    host = torch.cat([counts.max(dim=1).values, owners[history_pages:]]).tolist()
+    history_pad, current_pad, current_owners = int(host[0]), int(host[1]), tuple(int(x) for x in host[2:])
     hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
                                           layout.cp_rank, n, history_pad, DENSE_DUMMY_PAGES)
     cur_dense, cur_send = _place_region(owners[history_pages:], physical[history_pages:],
@@ -125,4 +129,5 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         dense_page=torch.cat([hist_dense, cur_dense]),
         history_send=hist_send,
         current_send=cur_send,
+        current_owners=current_owners,
     )

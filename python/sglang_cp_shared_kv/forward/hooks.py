@@ -8,6 +8,12 @@ stored, owned rows copied to the shard) -> the latent all-gather (re-range) and
 ``forward_extend`` (the layer's MLA history, prefetched or gathered now; the next layer's
 history prefetch started; the chunk into the MLA view, owned rows copied to the shard;
 stock kernels) -> the final hidden-state all-gather (re-range).
+
+In a local-writes forward (:mod:`.local_writes`, decided at the first layer) the two
+chunk all-gathers are left out: ``Indexer._get_q_k_bf16`` keeps this rank's keys, the
+index store puts them into its shard and gathers the whole index view from the shards;
+``rebuild_cp_kv_cache`` puts this rank's latent rows into its shard, and
+``forward_extend`` gathers the whole MLA view from the shards.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_shared_kv.forward import batch_state as batch_state_module
-from sglang_cp_shared_kv.forward import in_seq_rerange, materialize, prefetch, writes
+from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
@@ -39,7 +46,7 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     if timer is not None:
         timer.begin_forward(forward_batch.out_cache_loc.device)
     with marked("batch_state", timer):
-        state = batch_state_module.build_for_forward(pool, metadata, forward_batch)
+        state = batch_state_module.build_for_forward(pool, metadata, forward_batch, backend)
     if state is None:  # idle batch
         return result
     dense = batch_state_module.dense_metadata(metadata, state)
@@ -50,21 +57,66 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     return result
 
 
+def _local_rows(plan: local_writes.LocalWrites, rows, what: str):
+    """The chunk rows of ``rows`` (this rank's local rows, as SGLang hands them over)."""
+    if rows.shape[0] != plan.rows:
+        raise RuntimeError(f"{FLAG}: local writes planned {plan.rows} local {what} rows on this rank, "
+                           f"SGLang handed over {rows.shape[0]}")
+    return rows[: plan.real_rows]
+
+
+def index_key_kept_local(original, indexer, q_lora, x, positions, enable_dual_stream, forward_batch):
+    """AROUND ``Indexer._get_q_k_bf16``: in a local-writes forward, the in-seq all-gather of
+    the index key inside it returns this rank's own keys (stored where they were computed)."""
+    state = batch_state_of(forward_batch)
+    if state is None or not local_writes.plan_for(forward_batch.token_to_kv_pool, forward_batch).index:
+        return original(indexer, q_lora, x, positions, enable_dual_stream, forward_batch=forward_batch)
+    with forward_batch.token_to_kv_pool.in_seq_gathers_kept_local():
+        return original(indexer, q_lora, x, positions, enable_dual_stream, forward_batch=forward_batch)
+
+
 def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, key, *args, **kwargs):
-    """AROUND ``Indexer._store_index_k_cache``: the layer's dense index view (history
-    gathered, the chunk stored by SGLang's store), and this rank's owned keys from it into
-    its shard."""
+    """AROUND ``Indexer._store_index_k_cache``: this rank's index keys into its shard (local
+    writes: ``key`` holds its own rows) and the layer's dense index view gathered from the
+    shards; or (phase 3: ``key`` is the gathered chunk) the view's history gathered, the chunk
+    stored into it by SGLang's store, and this rank's owned keys copied from it into its
+    shard."""
     state = batch_state_of(forward_batch)
     if state is None:
         return original(indexer, forward_batch, layer_id, key, *args, **kwargs)
+    pool = forward_batch.token_to_kv_pool
 
     def sglang_store(batch, layer, keys):
         original(indexer, batch, layer, keys, *args, **kwargs)
 
-    materialize.materialize_index(
-        state, forward_batch.token_to_kv_pool, layer_id,
-        lambda dense: writes.store_index_rows_into(sglang_store, forward_batch, state, layer_id, key, dense))
+    plan = local_writes.plan_for(pool, forward_batch)
+    if plan.index:
+        with marked("owner_write", state.timer):
+            writes.store_index_rows_into(sglang_store, forward_batch, layer_id, _local_rows(plan, key, "index key"),
+                                         pool.physical_index_buffer(layer_id), plan.physical_locs)
+        materialize.materialize_index(state, pool, layer_id, None)
+    else:
+        materialize.materialize_index(
+            state, pool, layer_id, lambda dense: writes.store_index_rows_into(
+                sglang_store, forward_batch, layer_id, key, dense, state.dense_out_locs))
     return None
+
+
+def latent_kept_local(original, attention, latent_cache, forward_batch, k_nope, k_pe):
+    """AROUND ``DeepseekV2AttentionMLA.rebuild_cp_kv_cache``: in a local-writes forward, this
+    rank's own latent rows go straight into its shard and SGLang's latent all-gather is left
+    out (``forward_extend`` then reads a view gathered from the shards); otherwise SGLang's."""
+    state = batch_state_of(forward_batch)
+    if state is None:
+        return original(attention, latent_cache, forward_batch, k_nope, k_pe)
+    pool = forward_batch.token_to_kv_pool
+    plan = local_writes.plan_for(pool, forward_batch)
+    if not plan.mla:
+        return original(attention, latent_cache, forward_batch, k_nope, k_pe)
+    with marked("owner_write", state.timer):
+        writes.store_local_mla_rows(pool, attention.attn_mqa, plan.physical_locs,
+                                    _local_rows(plan, k_nope, "latent"), _local_rows(plan, k_pe, "latent"))
+    return k_nope, k_pe
 
 
 def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -76,7 +128,10 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
     pool = forward_batch.token_to_kv_pool
     k_rope = kwargs.get("k_rope")
-    chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
+    if local_writes.plan_for(pool, forward_batch).mla:
+        chunk = None  # this rank's rows are in its shard; k holds only them: gather the view
+    else:
+        chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
     # prefetched during the layer before, or gathered now
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
     prefetch.prefetch_next(state, pool, layer.layer_id)
@@ -92,6 +147,8 @@ def all_gather_in_seq_order(original, input_tensor, cp_size, forward_batch, stre
     the modules that imported it: ``nsa_indexer``, ``deepseek_v2``, ``deepseek_nextn``)."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     uses_shared_kv = isinstance(pool, CpSharedNSATokenToKVPool)
+    if uses_shared_kv and pool.gathers_kept_local:  # the index key of a local-writes forward
+        return input_tensor
     if not in_seq_rerange.takes_plugin_path(input_tensor, forward_batch, uses_shared_kv):
         return original(input_tensor, cp_size, forward_batch, stream)
     return in_seq_rerange.gather_in_seq_order(pool.context.kernels, input_tensor, cp_size,

@@ -14,13 +14,17 @@ Per layer, on every CP rank, in the same order (the hooks in :mod:`.hooks` call 
    the dense view as its KV cache. Both views are released when it returns.
 
 Each chunk row is quantised once per layer, into the view; the shard receives the bytes
-of its owned rows from there (:mod:`.writes`).
+of its owned rows from there (:mod:`.writes`). In a local-writes forward
+(:mod:`.local_writes`) the chunk's rows are in the shards before the view is built, and
+the current region is all-gathered from them like the history (both steps above without
+the store and the copy).
 
-A collective happens only when the sequence has history (M_h > 0), and its size
-derives from the logical page list (identical on all ranks). Pages move as int64
+A collective happens only for a region that has pages (the history: M_h > 0), and its
+size derives from the logical page list (identical on all ranks). Pages move as int64
 words. When the current chunk's KV is not passed (``save_kv_cache=False``: written
 earlier by another path), the current region is gathered too (the phase-2 full view);
-that decision is made from the call's arguments, which are the same on every rank.
+that decision is made from the call's arguments, which are the same on every rank, as
+is the local-writes decision.
 """
 
 from __future__ import annotations
@@ -89,22 +93,31 @@ def index_rows(buffer: torch.Tensor, locs: torch.Tensor, page_size: int) -> torc
 
 
 def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
-                      store_chunk_into: Callable[[torch.Tensor], None]) -> None:
+                      store_chunk_into: Optional[Callable[[torch.Tensor], None]]) -> None:
+    """The layer's dense index view: the history gathered from the shards, then
+    ``store_chunk_into(dense)`` (SGLang's store of the gathered chunk) and the owner copy of
+    this rank's chunk rows into its shard -- or, with ``store_chunk_into`` None (the chunk's
+    rows are in the shards already: local writes), the current region gathered too."""
     pool.clear_views()
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_index_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
-    received, _ = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
-                                page_words(shard, shard.shape[0]), page_map.history_send, state.group,
-                                timer=state.timer)
-    store_chunk_into(dense)
-    with marked("owner_write", state.timer):
-        copy_owned_index_rows(pool, state, layer_id, dense)
+    dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard.shape[0])
+    received, _ = gather_region(state.kernels, dense_words, page_map.history_region, shard_words,
+                                page_map.history_send, state.group, timer=state.timer)
+    if store_chunk_into is None:
+        received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
+                                  page_map.current_send, state.group, timer=state.timer)[0]
+    else:
+        store_chunk_into(dense)
+        with marked("owner_write", state.timer):
+            copy_owned_index_rows(pool, state, layer_id, dense)
+        if state.debug:
+            _check_owned_rows_match(state, "index", index_rows(shard, state.owned_physical_locs, page_size),
+                                    index_rows(dense, state.owned_dense_locs, page_size))
     if state.debug:
-        _check_owned_rows_match(state, "index", index_rows(shard, state.owned_physical_locs, page_size),
-                                index_rows(dense, state.owned_dense_locs, page_size))
-        logger.debug("CP shared KV layer %d index: dense %d pages, received %d B", layer_id,
-                     page_map.num_dense_pages, received)
+        logger.debug("CP shared KV layer %d index: dense %d pages, received %d B%s", layer_id,
+                     page_map.num_dense_pages, received, "" if store_chunk_into is not None else " (chunk local)")
     pool.set_index_view(layer_id, dense)
 
 
@@ -145,7 +158,8 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     """The complete dense MLA view of ``layer``: ``history`` (waited for), then ``chunk`` =
     (k_nope, k_rope) of the current rows stored into it and this rank's owned rows copied
     from it into the shard, or, when None, the current region gathered from the shards as
-    well (the phase-2 full view; the chunk was written to the shards before)."""
+    well (the chunk's rows reached the shards before: local writes, or the phase-2 full
+    view of a chunk another writer stored)."""
     page_map, page_size = state.page_map, state.layout.page_size
     history.wait()
     dense, received = history.dense, history.received

@@ -1,11 +1,17 @@
-"""The current chunk's stores into a dense view, and the owner copy into this rank's shard.
+"""The current chunk's stores: into this rank's shard or into a dense view, and the owner
+copy from a view into the shard.
 
-Per layer the current chunk is quantised and stored **once**, into the layer's dense view
-(:func:`store_mla_rows_into`, :func:`store_index_rows_into`, called by :mod:`.materialize`);
-the rows whose page this rank owns are then copied byte for byte from the view into the
-shard, at their physical locations (:func:`copy_owned_mla_rows`,
-:func:`copy_owned_index_rows`). NOTE: storing the owned rows from the gathered chunk
-instead, as phase 2 did, quantised each of them twice and read the chunk twice.
+Per layer each chunk row is quantised and stored **once** on a rank:
+
+* local writes (:mod:`.local_writes`): this rank's own rows, straight into its shard at
+  their physical locations (:func:`store_local_mla_rows`, :func:`store_index_rows_into`
+  with the shard as target); nothing is stored into the views (they gather the shards);
+* otherwise (phase 3), the whole gathered chunk into the layer's dense view
+  (:func:`store_mla_rows_into`, :func:`store_index_rows_into`, called by
+  :mod:`.materialize`); the rows whose page this rank owns are then copied byte for byte
+  from the view into the shard (:func:`copy_owned_mla_rows`, :func:`copy_owned_index_rows`).
+  NOTE: storing the owned rows from the gathered chunk instead, as phase 2 did, quantised
+  each of them twice and read the chunk twice.
 
 Any other MLA writer of SGLang (the full-view path, where the chunk was written before
 ``forward_extend``) goes through ``CpSharedNSATokenToKVPool.set_mla_kv_buffer``, which
@@ -43,6 +49,17 @@ def store_owned_mla_rows(pool, layer, loc: torch.Tensor, k_nope: torch.Tensor, k
                                         k_rope, packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
 
 
+def store_local_mla_rows(pool, layer, physical_locs: torch.Tensor, k_nope: torch.Tensor,
+                         k_rope: torch.Tensor) -> None:
+    """Row i of (k_nope | k_rope) at ``physical_locs[i]`` of this rank's shard: the rows this
+    rank computed, all on pages it owns (``forward.local_writes``)."""
+    def stock():
+        sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, physical_locs, k_nope, k_rope)
+
+    pool.context.kernels.store_mla_rows(pool.physical_kv_buffer(layer.layer_id), None, physical_locs, k_nope,
+                                        k_rope, packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+
+
 def store_mla_rows_into(pool, buffer: torch.Tensor, layer, locs: torch.Tensor, k_nope: torch.Tensor,
                         k_rope: torch.Tensor) -> None:
     """SGLang's MLA store (fp8 quantisation included) of every row into ``buffer`` at
@@ -76,20 +93,20 @@ def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_s
     return _FUSED_INDEX_STORE[flags]
 
 
-def store_index_rows_into(sglang_store: Callable, forward_batch, state: CpSharedBatchState, layer_id: int,
-                          key: torch.Tensor, dense: torch.Tensor) -> None:
-    """Every index key of the chunk at its dense location in the layer's dense view, by the
-    fused kernel or by ``sglang_store(forward_batch, layer_id, key)``: SGLang's own store,
-    which writes at ``forward_batch.out_cache_loc`` into the buffer the pool names for the
-    layer."""
-    pool, locs = forward_batch.token_to_kv_pool, state.dense_out_locs
+def store_index_rows_into(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
+                          target: torch.Tensor, locs: torch.Tensor) -> None:
+    """Index key ``key[i]`` at token location ``locs[i]`` of ``target`` (the layer's dense
+    view, or this rank's shard), by the fused kernel or by ``sglang_store(forward_batch,
+    layer_id, key)``: SGLang's own store, which writes at ``forward_batch.out_cache_loc``
+    into the buffer the pool names for the layer."""
+    pool = forward_batch.token_to_kv_pool
 
     def stock():
-        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, dense):
+        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, target):
             sglang_store(forward_batch, layer_id, key)
 
     if _sglang_uses_fused_index_store(key, locs, pool.page_size):
-        pool.context.kernels.store_index_rows(dense, None, locs, key, stock=stock, page_size=pool.page_size)
+        pool.context.kernels.store_index_rows(target, None, locs, key, stock=stock, page_size=pool.page_size)
     else:
         stock()
 

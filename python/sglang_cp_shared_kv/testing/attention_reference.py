@@ -3,9 +3,10 @@
 Attention kernels cannot run on a CPU, so the CP harness compares their inputs: the KV
 rows a top-k selects (the sparse kernels' input), the rows ``page_table_1_flattened``
 selects (the fp8 RAGGED dequantize input), and the output of a torch reference of sparse
-MLA attention over them. :func:`stock_forward_extend_inputs` does what the stock
-``forward_extend`` does before its kernel call (store the chunk, fetch the KV cache) and
-records those inputs.
+MLA attention over them; and with fp8 RAGGED on a chunk without prefix, the chunk's own
+rows (``k``, ``k_rope``), which that path attends over instead of the cache.
+:func:`stock_forward_extend_inputs` does what the stock ``forward_extend`` does before its
+kernel call (store the chunk, fetch the KV cache) and records those inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ def stock_forward_extend_inputs(backend, q, k, v, layer, forward_batch, save_kv_
     flattened = metadata.page_table_1_flattened
     if flattened is not None:  # fp8 RAGGED: dequantize_k_cache_paged reads these rows in order
         out["flattened rows"] = as_bytes(kv_cache.view(kv_cache.shape[0], -1)[flattened.long()])
+    ragged = getattr(backend, "get_topk_transform_method", lambda mode=None: None)(forward_batch.forward_mode)
+    if getattr(ragged, "name", None) == "RAGGED" and not any(forward_batch.extend_prefix_lens_cpu):
+        # fp8 RAGGED without a prefix attends over the chunk's (gathered) bf16 rows themselves
+        chunk = forward_batch.extend_seq_lens_cpu[0]
+        out["chunk rows attended"] = as_bytes(torch.cat([k[:chunk].reshape(chunk, -1),
+                                                         k_rope[:chunk].reshape(chunk, -1)], dim=-1))
     return out
 
 

@@ -49,7 +49,13 @@ import torch
 
 from sglang_cp_shared_kv.testing.cp_rig import Rig
 from sglang_cp_shared_kv.testing.cp_scenarios import SCENARIOS
-from sglang_cp_shared_kv.testing.support import free_port, gloo_attention_cp_group, run_rank_processes
+from sglang_cp_shared_kv.testing.support import (
+    all_gather_through_gloo,
+    free_port,
+    gloo_attention_cp_group,
+    in_seq_cp_server_args,
+    run_rank_processes,
+)
 
 
 # ============================================================ parent side
@@ -166,7 +172,10 @@ def _slow_prefetch(slow: bool):
 
 
 def init_rank_process(rank: int, n: int, port: int, device: str):
-    """gloo world + SGLang's attention-CP GroupCoordinator over it, as SGLang sets them up."""
+    """gloo world + SGLang's attention-CP GroupCoordinator over it, as SGLang sets them up,
+    and the global server arguments SGLang's in-seq CP helpers read."""
+    from sglang.srt import server_args
+
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(0)  # several ranks share one GPU over gloo
@@ -175,4 +184,7 @@ def init_rank_process(rank: int, n: int, port: int, device: str):
 
         torch_standins.install()
     local_rank = 0 if device == "cuda" else rank  # on CUDA all ranks share GPU 0
-    return gloo_attention_cp_group(rank, n, port, local_rank=local_rank, timeout_s=300)
+    group = gloo_attention_cp_group(rank, n, port, local_rank=local_rank, timeout_s=300)
+    all_gather_through_gloo(group)
+    server_args._global_server_args = in_seq_cp_server_args()
+    return group

@@ -1,7 +1,17 @@
 """One CP rank's rig: the plugin's shared-KV pool and allocator beside a stock replicated
 pool of the same logical size, the same requests run through both, and every forward
 driven through the plugin's real hook functions (:mod:`sglang_cp_shared_kv.forward.hooks`)
-around SGLang's real classes (``ForwardBatch``, ``NSAMetadata``, ``Indexer._store_index_k_cache``).
+around SGLang's real classes and functions (``ForwardBatch``, ``NSAMetadata``,
+``Indexer._store_index_k_cache``; the in-seq CP metadata, split and all-gathers of
+``cp_utils``; ``DeepseekV2AttentionMLA.rebuild_cp_kv_cache``).
+
+Each layer's chunk KV (index key, latent) is drawn whole, the same on every rank; a rank
+gets its own rows of it by SGLang's ``cp_split_and_rebuild_data``, as the model computes
+them, and hands them to the hooks where SGLang would: the index key through
+``Indexer._get_q_k_bf16``'s all-gather, the latent through ``rebuild_cp_kv_cache``. Where
+the plugin keeps a chunk's rows local (``forward.local_writes``) those gathers are left
+out; where it does not, SGLang's own gathers run over the gloo group. The replicated pool
+stores the whole chunk, as a stock rank does after those gathers.
 
 Per layer it compares, bit for bit: the index K/scale the indexer reads (full and
 rank-dependent lengths, the fused K+scale read too), the top-k of a torch reference
@@ -14,6 +24,7 @@ in ``errors``, never raised, so every rank keeps issuing the same collectives.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import List
@@ -43,6 +54,19 @@ MAX_REQS, MAX_LEN = 64, 4096
 QUERY_STRIDE = 4
 DTYPES = {"bf16": (torch.bfloat16, mla_kv_cache_dim("bf16")),
           "fp8_e4m3": (torch.float8_e4m3fn, mla_kv_cache_dim("fp8_e4m3"))}
+
+
+@contextmanager
+def _cuda_streams_on(device: str):
+    """On a CPU, ``torch.cuda.current_stream()`` (which SGLang's ``rebuild_cp_kv_cache`` passes
+    to its all-gather, unused without pynccl) answers None instead of raising."""
+    if device != "cpu":
+        yield
+        return
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    with attributes_set(torch.cuda, current_stream=lambda *args, **kwargs: None):
+        yield
 
 
 @dataclass
@@ -149,7 +173,7 @@ class Rig:
 
     # ------------------------------------------------------------ forward
     def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
-        from sglang.srt.layers.attention.nsa_backend import NSAMetadata
+        from sglang.srt.layers.attention.nsa_backend import NSAMetadata, TopkTransformMethod
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
         seq_len = prefix + extend_len
@@ -176,9 +200,88 @@ class Rig:
             extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len],
             extend_num_tokens=extend_len, token_to_kv_pool=pool,
         )
-        backend = SimpleNamespace(forward_metadata=metadata)
+        # fp8 KV reads through flashmla_sparse's RAGGED top-k transform (the plugin's choice for
+        # fp8 + in-seq split), bf16 through PAGED -- as NativeSparseAttnBackend decides it
+        method = TopkTransformMethod.RAGGED if self.fp8 else TopkTransformMethod.PAGED
+        backend = SimpleNamespace(forward_metadata=metadata, get_topk_transform_method=lambda mode=None: method)
         fb.attn_backend = backend
         return fb, backend
+
+    # ------------------------------------------------------------ SGLang's in-seq CP
+    def _cp_metadata(self, fb, rows: int, seq_len: int):
+        """SGLang's in-seq-split metadata of a chunk of ``rows`` (padding included), as the
+        model's forward builds it; None where SGLang does not split the chunk."""
+        from sglang.srt.layers.attention.nsa.utils import can_nsa_cp_split
+        from sglang.srt.layers.utils import cp_utils
+
+        from sglang_cp_shared_kv.scoped import attributes_set
+        from sglang_cp_shared_kv.testing.support import TorchOnCpu
+
+        if not can_nsa_cp_split(rows, self.n, True, fb):
+            return None
+        on_cpu = {"torch": TorchOnCpu()} if self.device == "cpu" else {}  # its "cuda" length tensors
+        with attributes_set(cp_utils, **on_cpu):
+            return cp_utils.prepare_context_parallel_metadata(rows, self.rank, self.n, [seq_len])
+
+    def _local(self, fb, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (one row per chunk row, padding included), as SGLang's
+        in-seq split lays them out; all of them when SGLang does not split the chunk."""
+        from sglang.srt.layers.utils import cp_utils
+
+        if fb.attn_cp_metadata is None:
+            return full
+        return cp_utils.cp_split_and_rebuild_data(fb, full.reshape(full.shape[0], -1)).view(-1, *full.shape[1:])
+
+    def _sglang_gather(self, what: str):
+        """SGLang's ``cp_all_gather_rerange_output`` behind the plugin's hook on it (as the hook
+        registry rebinds the name), counted in ``stats["sglang_gathers"]``."""
+        from sglang.srt.layers.utils import cp_utils
+
+        from sglang_cp_shared_kv.forward.hooks import all_gather_in_seq_order
+
+        def gather(input_tensor, cp_size, forward_batch, stream):
+            def sglang(*args):
+                counts = self.stats.setdefault("sglang_gathers", {})
+                counts[what] = counts.get(what, 0) + 1
+                return cp_utils.cp_all_gather_rerange_output(*args)
+
+            return all_gather_in_seq_order(sglang, input_tensor, cp_size, forward_batch, stream)
+
+        return gather
+
+    def _index_key(self, fb, key: torch.Tensor) -> torch.Tensor:
+        """The index keys ``Indexer._get_q_k_bf16`` hands the index store: this rank's keys,
+        all-gathered over the CP group by SGLang (unless the plugin keeps them local)."""
+        from sglang_cp_shared_kv.forward.hooks import index_key_kept_local
+
+        local, gather = self._local(fb, key), self._sglang_gather("index key")
+
+        def get_q_k_bf16(indexer, q_lora, x, positions, enable_dual_stream, forward_batch):
+            # how SGLang's _get_q_k_bf16 ends (the rig's keys come ready-made): the in-seq gather
+            if forward_batch.attn_cp_metadata is None:
+                return None, local
+            return None, gather(local.contiguous(), self.n, forward_batch, None)
+
+        return index_key_kept_local(get_q_k_bf16, self.indexer, None, None, None, False, fb)[1]
+
+    def _latent(self, fb, layer, k_nope: torch.Tensor, k_rope: torch.Tensor):
+        """(k_nope, k_rope) as ``forward_extend`` receives them: this rank's rows through
+        SGLang's real ``DeepseekV2AttentionMLA.rebuild_cp_kv_cache`` (its latent all-gather),
+        behind the plugin's hook on it."""
+        from sglang.srt.models import deepseek_v2
+
+        from sglang_cp_shared_kv.forward.hooks import latent_kept_local
+        from sglang_cp_shared_kv.scoped import attributes_set
+
+        if fb.attn_cp_metadata is None:  # SGLang does not split: every rank computed every row
+            return k_nope, k_rope
+        nope, rope = self._local(fb, k_nope), self._local(fb, k_rope)
+        latent_cache = torch.empty(nope.shape[0], KV_LORA_RANK + ROPE_DIM, dtype=nope.dtype, device=nope.device)
+        attention = SimpleNamespace(kv_lora_rank=KV_LORA_RANK, cp_size=self.n, attn_mqa=layer)
+        swaps = {"cp_all_gather_rerange_output": self._sglang_gather("latent")}
+        with attributes_set(deepseek_v2, **swaps), _cuda_streams_on(self.device):
+            return latent_kept_local(deepseek_v2.DeepseekV2AttentionMLA.rebuild_cp_kv_cache, attention,
+                                     latent_cache, fb, nope, rope)
 
     def _rand(self, gen, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype).to(self.device)
@@ -201,6 +304,7 @@ class Rig:
         fb_s, be_s = self._batch(self.shared, req, prefix, extend_len, out_cache_loc)
         fb_r, be_r = self._batch(self.replicated, req, prefix, extend_len, out_cache_loc)
         attach_batch_state(None, be_s, fb_s)
+        fb_s.attn_cp_metadata = self._cp_metadata(fb_s, rows, seq_len)  # built by the model, after the backend's
         gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
         self.forward_counter += 1
         for layer in self.layers:
@@ -208,8 +312,8 @@ class Rig:
             where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
             # ---- indexer: store, then what its kernels read
             key = self._rand(gen, rows, INDEX_DIM)
-            store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, lid, key,
-                                          act_quant=act_quant)
+            store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, lid,
+                                          self._index_key(fb_s, key), act_quant=act_quant)
             Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant)
             k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
             queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
@@ -223,12 +327,13 @@ class Rig:
             k_nope = self._rand(gen, rows, 1, KV_LORA_RANK)
             k_rope = self._rand(gen, rows, 1, ROPE_DIM)
             q = self._rand(gen, len(queries), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
+            k_nope_s, k_rope_s = self._latent(fb_s, layer, k_nope, k_rope)
             save = lid not in full_view_layers
             if not save:  # the chunk was stored earlier by another writer: full-view read
                 self.shared.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
                 self.replicated.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
-            got = forward_extend_on_dense_view(stock_forward_extend_inputs, be_s, q, k_nope, k_nope, layer,
-                                               fb_s, save_kv_cache=save, k_rope=k_rope, topk_indices=topk_s,
+            got = forward_extend_on_dense_view(stock_forward_extend_inputs, be_s, q, k_nope_s, k_nope_s, layer,
+                                               fb_s, save_kv_cache=save, k_rope=k_rope_s, topk_indices=topk_s,
                                                fp8=self.fp8)
             want = stock_forward_extend_inputs(be_r, q, k_nope, k_nope, layer, fb_r, save_kv_cache=save,
                                                k_rope=k_rope, topk_indices=topk_r, fp8=self.fp8)
@@ -236,6 +341,11 @@ class Rig:
                 self._expect_equal(f"{where}: {name}", got[name], want[name])
             self.stats["layers"] += 1
             self.stats["topk_rows"] += int((positions >= 0).sum())
+        plan = self.shared.local_writes[1] if self.shared.local_writes is not None else None
+        if plan is not None:
+            paths = self.stats.setdefault("write_paths", {})
+            key = f"index={'local' if plan.index else 'gathered'},mla={'local' if plan.mla else 'gathered'}"
+            paths[key] = paths.get(key, 0) + 1
         self._compare_shard_writes(f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len})", locs)
         self.stats["forwards"] += 1
         self.shared.end_batch()

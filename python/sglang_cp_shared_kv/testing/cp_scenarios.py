@@ -1,6 +1,7 @@
 """The scenarios the CP harness runs on every rank, in the same order (each a function of
 one :class:`~.cp_rig.Rig`): one chunk, chunked prefill with mid-page boundaries, radix
-prefix hits, a prefix ending mid-page, fewer pages than ranks, the phase-2 full view, a
+prefix hits, a prefix ending mid-page, fewer pages than ranks, the phase-2 full view,
+chunks SGLang cuts page by page (local writes) with and without a radix prefix, a
 negative control (one corrupted history page must be caught) and a randomized soak.
 """
 
@@ -46,6 +47,31 @@ def fewer_pages_than_ranks(rig: Rig):
     rig.extend(req, 5)
     short = rig.new_request()
     rig.extend(short, 10)
+
+
+def aligned_chunked_prefill(rig: Rig):
+    """Chunks of 2N x 64 rows from a page boundary, which SGLang's token-balanced split cuts
+    page by page: each rank stores the rows it computed (``forward.local_writes``) -- with
+    fp8 KV the first chunk (no prefix) keeps SGLang's latent gather -- then a chunk one row
+    short (SGLang's padding row closes rank 0's rows, the last page partial), then a
+    prompt's last, shorter chunk (phase 3)."""
+    unit = 2 * rig.n * PAGE
+    req = rig.new_request()
+    rig.extend(req, unit)
+    rig.extend(req, unit)
+    rig.extend(req, unit - 1, pad_rows=1)
+    rig.extend(req, 100, pad_rows=(-100) % rig.n)
+
+
+def aligned_radix_hit(rig: Rig):
+    """A radix-cache prefix of whole pages, then a page-aligned chunk: local writes after a
+    prefix whose pages have interleaved and compute-owner owners alike."""
+    unit = 2 * rig.n * PAGE
+    donor = rig.new_request()
+    rig.extend(donor, 3 * PAGE)  # interleaved pages (fewer than 2N... or not: both are history)
+    rig.extend(donor, unit)
+    hit = rig.share_prefix(donor, pages=3 + 2 * rig.n - 1)
+    rig.extend(hit, 2 * unit)
 
 
 def full_view_fallback(rig: Rig):
@@ -112,14 +138,20 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
             req = rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
         else:
             req = rig.new_request()
-        long_request = rng.random() < 0.25
-        total = int(rng.integers(2 * rig.n * PAGE, (2 * rig.n + 4) * PAGE)) if long_request else int(rng.integers(1, 400))
-        cuts = sorted(set(rng.integers(1, total, size=int(rng.integers(0, 3))).tolist())) if total > 1 else []
+        long_request, unit = rng.random() < 0.25, 2 * rig.n * PAGE
+        if long_request and rng.random() < 0.5:  # chunks SGLang cuts page by page: local writes
+            units = int(rng.integers(1, 3))
+            total = units * unit - int(rng.integers(0, 2))  # one row short: SGLang's padding row
+            cuts = [unit] if units == 2 and rng.random() < 0.5 else []
+        else:
+            total = int(rng.integers(unit, unit + 4 * PAGE)) if long_request else int(rng.integers(1, 400))
+            cuts = sorted(set(rng.integers(1, total, size=int(rng.integers(0, 3))).tolist())) if total > 1 else []
         chunks = np.diff([0, *cuts, total]).tolist()
         ok = True
         for chunk in chunks:
             full_view = (0,) if rng.random() < 0.1 else ()
-            if not rig.extend(req, int(chunk), full_view_layers=full_view, pad_rows=int(rng.integers(0, 2 * rig.n))):
+            pad = (-int(chunk)) % rig.n if rng.random() < 0.5 else int(rng.integers(0, 2 * rig.n))
+            if not rig.extend(req, int(chunk), full_view_layers=full_view, pad_rows=pad):
                 ok = False
                 break
         if ok:
@@ -134,6 +166,6 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
 
 SCENARIOS: Dict[str, Callable[[Rig], None]] = {
     f.__name__: f for f in (single_chunk, chunked_prefill, radix_prefix_hit, prefix_mid_page,
-                            fewer_pages_than_ranks, full_view_fallback, corrupted_shard_is_detected,
-                            lane_exhaustion, soak)
+                            fewer_pages_than_ranks, full_view_fallback, aligned_chunked_prefill,
+                            aligned_radix_hit, corrupted_shard_is_detected, lane_exhaustion, soak)
 }

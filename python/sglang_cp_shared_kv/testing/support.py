@@ -124,6 +124,25 @@ def gloo_attention_cp_group(rank: int, n: int, port: int, *, local_rank: int, ti
     return ps._ATTN_CP
 
 
+def in_seq_cp_server_args(mode: str = "in-seq-split"):
+    """What SGLang's NSA CP helpers read from the global server arguments of an in-seq-split
+    (or ``mode``) prefill server (``sglang.srt.server_args._global_server_args``)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode=mode,
+                           enable_symm_mem=False)
+
+
+def all_gather_through_gloo(group) -> None:
+    """The one stand-in SGLang's in-seq all-gathers need on a gloo group:
+    ``GroupCoordinator.all_gather_into_tensor`` (which ``cp_all_gather_into_tensor_async``
+    calls without pynccl) dispatches to a registered custom op that has no CPU kernel; call
+    the method that op wraps, ``_all_gather_into_tensor`` (``torch.distributed.
+    all_gather_into_tensor`` on the gloo group), directly. Everything above it is SGLang's
+    code."""
+    group.all_gather_into_tensor = group._all_gather_into_tensor
+
+
 class TorchOnCpu:
     """``torch`` as a module of SGLang sees it, with ``device="cuda"`` tensors made on the
     CPU (``prepare_context_parallel_metadata`` builds its length tensors on "cuda")."""
