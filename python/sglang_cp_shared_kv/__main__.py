@@ -69,7 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "and decode's bytes with a replicated (flag-off) run. Exit 0: PASS, 1: FAIL.")
     defaults = SelfcheckDefaults
     check.add_argument("--cp-size", type=_int, default=defaults.cp_size, help="CP ranks N (2-8)")
-    check.add_argument("--chunks", type=_int, default=defaults.chunks, help="prefill chunks after the prefix")
+    check.add_argument("--chunk-size", type=_int, default=defaults.chunk_size,
+                       help="tokens per prefill chunk after the prefix, the last chunk the rest (SGLang's "
+                            "--chunked-prefill-size); a chunk of a multiple of 2N x 64 tokens is stored where "
+                            "it was computed, others are gathered by SGLang")
     check.add_argument("--context-len", type=_int, default=defaults.context_len, help="request tokens")
     check.add_argument("--prefix-len", type=_int, default=defaults.prefix_len,
                        help="tokens the request shares with a cached one (a multiple of 64)")
@@ -102,7 +105,7 @@ def selfcheck(args, parser) -> int:
     from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
 
     try:
-        options = SelfcheckOptions(cp_size=args.cp_size, chunks=args.chunks, context_len=args.context_len,
+        options = SelfcheckOptions(cp_size=args.cp_size, chunk_size=args.chunk_size, context_len=args.context_len,
                                    prefix_len=args.prefix_len, kv_cache_dtype=args.kv_cache_dtype,
                                    device=args.device, inject=args.inject)
     except SelfcheckArgumentError as exc:

@@ -44,6 +44,9 @@ def test_selfcheck_passes(args):
     assert cap["logical_tokens"] == planner["logical_tokens"] == n * cap["physical_tokens_per_rank"]
     assert cap["kv_bytes_per_rank"] == planner["kv_bytes_per_rank"]
     assert planner["page_size"] == PAGE_SIZE and planner["cp_size"] == n
+    # the two 512-token chunks are stored where they were computed (2N x 64 rows for N = 2, 4);
+    # the donor (448 tokens) and the last chunk (64) are gathered by SGLang
+    assert report["write_paths"] == {"index=local,mla=local": 2, "index=gathered,mla=gathered": 2}
 
 
 def test_the_table_shows_every_figure_and_check():
@@ -69,8 +72,10 @@ def test_the_table_shows_every_figure_and_check():
     ("drop-batch", {"decode pool"}),
 ])
 def test_each_injected_fault_fails_the_check_that_catches_it(fault, caught_by):
+    # both chunks (512 and 256 tokens, N = 2) are stored where they were computed: the faults
+    # must be caught on that path too
     code, out, err = selfcheck("--json", "--inject", fault, "--context-len", "1024", "--prefix-len", "256",
-                               "--chunks", "2")
+                               "--chunk-size", "512")
     report = json.loads(out)
     failed = {name for name, c in checks_of(report).items() if not c["passed"]}
     assert code == 1 and report["verdict"] == "FAIL", err[-2000:]
@@ -82,7 +87,7 @@ def test_each_injected_fault_fails_the_check_that_catches_it(fault, caught_by):
     (["--cp-size", "1"], "--cp-size must be an integer from 2 to 8"),
     (["--context-len", "0"], "--context-len must be an integer from 1"),
     (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype must be one of bf16, fp8_e4m3"),
-    (["--context-len", "100", "--prefix-len", "0", "--chunks", "101"], "--chunks must be an integer from 1 to the 100"),
+    (["--chunk-size", "0"], "--chunk-size must be an integer from 1 to 4096"),
     (["--prefix-len", "100"], "--prefix-len must be a multiple of 64"),
     (["--inject", "everything"], "--inject must be one of skip-write, corrupt-shard, drop-batch"),
     (["--cp-size", "two"], "argument --cp-size: expected an integer"),
@@ -95,6 +100,8 @@ def test_bad_arguments_give_one_line_and_exit_2(args, named):
 
 def test_options_validate_themselves():
     assert SelfcheckOptions().chunk_ends[-1] == SelfcheckOptions().context_len
-    assert SelfcheckOptions(context_len=1000, prefix_len=0, chunks=3).chunk_ends == [333, 666, 1000]
+    assert SelfcheckOptions().chunk_ends == [960, 1472, 1536]
+    assert SelfcheckOptions(context_len=1000, prefix_len=0, chunk_size=333).chunk_ends == [333, 666, 999, 1000]
+    assert SelfcheckOptions(context_len=1000, prefix_len=0, chunk_size=4000).chunks == 1
     with pytest.raises(SelfcheckArgumentError, match="--device"):
         SelfcheckOptions(device="tpu")

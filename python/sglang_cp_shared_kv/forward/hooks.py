@@ -92,8 +92,8 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     plan = local_writes.plan_for(pool, forward_batch)
     if plan.index:
         with marked("owner_write", state.timer):
-            writes.store_index_rows_into(sglang_store, forward_batch, layer_id, _local_rows(plan, key, "index key"),
-                                         pool.physical_index_buffer(layer_id), plan.physical_locs)
+            writes.store_local_index_rows(sglang_store, forward_batch, layer_id, _local_rows(plan, key, "index key"),
+                                          plan.physical_locs)
         materialize.materialize_index(state, pool, layer_id, None)
     else:
         materialize.materialize_index(

@@ -4,8 +4,8 @@ copy from a view into the shard.
 Per layer each chunk row is quantised and stored **once** on a rank:
 
 * local writes (:mod:`.local_writes`): this rank's own rows, straight into its shard at
-  their physical locations (:func:`store_local_mla_rows`, :func:`store_index_rows_into`
-  with the shard as target); nothing is stored into the views (they gather the shards);
+  their physical locations (:func:`store_local_mla_rows`, :func:`store_local_index_rows`);
+  nothing is stored into the views (they gather the shards);
 * otherwise (phase 3), the whole gathered chunk into the layer's dense view
   (:func:`store_mla_rows_into`, :func:`store_index_rows_into`, called by
   :mod:`.materialize`); the rows whose page this rank owns are then copied byte for byte
@@ -109,6 +109,15 @@ def store_index_rows_into(sglang_store: Callable, forward_batch, layer_id: int, 
         pool.context.kernels.store_index_rows(target, None, locs, key, stock=stock, page_size=pool.page_size)
     else:
         stock()
+
+
+def store_local_index_rows(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
+                           physical_locs: torch.Tensor) -> None:
+    """Index key ``key[i]`` at ``physical_locs[i]`` of this rank's shard: the keys this rank
+    computed, all on pages it owns (``forward.local_writes``)."""
+    pool = forward_batch.token_to_kv_pool
+    store_index_rows_into(sglang_store, forward_batch, layer_id, key, pool.physical_index_buffer(layer_id),
+                          physical_locs)
 
 
 # ------------------------------------------------------------------------ owner copy

@@ -27,7 +27,10 @@ class SelfcheckOptions:
     """One selfcheck run. Defaults finish in about a minute on a 2-core CPU machine."""
 
     cp_size: int = 2
-    chunks: int = 3
+    #: tokens per prefill chunk after the prefix, the last chunk the rest (SGLang's
+    #: --chunked-prefill-size, scaled down: 512 = 2N x 64 rows for N = 2 and 4, which the
+    #: ranks store where they computed them; the last, shorter chunk SGLang gathers)
+    chunk_size: int = 512
     context_len: int = 1536
     prefix_len: int = 448
     kv_cache_dtype: str = "bf16"
@@ -46,9 +49,8 @@ class SelfcheckOptions:
         if not (0 <= self.prefix_len < self.context_len and self.prefix_len % PAGE_SIZE == 0):
             refuse("--prefix-len", f"a multiple of {PAGE_SIZE} (the radix cache shares whole pages) from 0 "
                    f"to below --context-len {self.context_len}", self.prefix_len)
-        if not 1 <= self.chunks <= self.context_len - self.prefix_len:
-            refuse("--chunks", f"an integer from 1 to the {self.context_len - self.prefix_len} tokens after the "
-                   "prefix", self.chunks)
+        if not 1 <= self.chunk_size <= MAX_CONTEXT_LEN:
+            refuse("--chunk-size", f"an integer from 1 to {MAX_CONTEXT_LEN}", self.chunk_size)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             refuse("--kv-cache-dtype", f"one of {', '.join(KV_CACHE_DTYPES)}", self.kv_cache_dtype)
         if self.device not in DEVICES:
@@ -58,6 +60,10 @@ class SelfcheckOptions:
 
     @property
     def chunk_ends(self) -> list:
-        """Where each chunk after the prefix ends (sequence positions), as even as tokens allow."""
-        tokens = self.context_len - self.prefix_len
-        return [self.prefix_len + tokens * (k + 1) // self.chunks for k in range(self.chunks)]
+        """Where each chunk after the prefix ends (sequence positions), as SGLang's chunked
+        prefill cuts it: every ``chunk_size`` tokens, the last chunk the rest."""
+        return list(range(self.prefix_len + self.chunk_size, self.context_len, self.chunk_size)) + [self.context_len]
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_ends)

@@ -92,6 +92,7 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
         events.put(("ready", rank))
         request = _prefill(rig, options, events)
         result["prefill"] = {"errors": rig.errors[:20], "forwards": rig.stats["forwards"],
+                             "write_paths": rig.stats.get("write_paths", {}),
                              "allocation": dataclasses.asdict(rig.allocator.stats),
                              "request_pages": request.pages}
         result["stored"] = _stored(rig, request.pages)
@@ -128,12 +129,16 @@ def _prefill(rig, options: SelfcheckOptions, events):
     """The donor (the radix-cache prefix), then the request hitting it, chunk by chunk."""
     corrupt = options.inject == "corrupt-shard" and rig.rank == 1
     skip_writes = options.inject == "skip-write" and rig.rank == 1
-    if skip_writes:  # rank 1 drops its owner-only MLA and index writes
+    if skip_writes:  # rank 1 drops its MLA and index writes into its shard (owner copies, local stores)
         from sglang_cp_shared_kv import pool as pool_module
-        from sglang_cp_shared_kv.forward import materialize
+        from sglang_cp_shared_kv.forward import materialize, writes
 
-        pool_module.store_owned_mla_rows = lambda *args, **kwargs: None
-        materialize.copy_owned_mla_rows = materialize.copy_owned_index_rows = lambda *args, **kwargs: None
+        def dropped(*args, **kwargs):
+            return None
+
+        pool_module.store_owned_mla_rows = dropped
+        materialize.copy_owned_mla_rows = materialize.copy_owned_index_rows = dropped
+        writes.store_local_mla_rows = writes.store_local_index_rows = dropped
     prefix_pages = options.prefix_len // PAGE_SIZE
     if prefix_pages:
         donor = rig.new_request()

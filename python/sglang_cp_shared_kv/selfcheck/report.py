@@ -36,6 +36,16 @@ def _harness_shape() -> NsaModelShape:
                          index_head_dim=NSA_INDEX_HEAD_DIM, index_topk=32, max_context_len=0)
 
 
+def _write_paths(paths: Dict[str, int]) -> str:
+    """How the forwards' chunk rows reached the shards, in words."""
+    local = paths.get("index=local,mla=local", 0)
+    index_only = paths.get("index=local,mla=gathered", 0)
+    gathered = paths.get("index=gathered,mla=gathered", 0)
+    words = [f"{local} stored where computed"] + (
+        [f"{index_only} with index keys stored where computed, the latent gathered"] if index_only else [])
+    return ", ".join(words + [f"{gathered} gathered by SGLang and copied out"])
+
+
 def build_report(options: SelfcheckOptions, ranks: List[Optional[Dict[str, Any]]],
                  decode: Optional[Dict[str, Any]], wall_s: float, problem: Optional[str],
                  workdir: str = "") -> Dict[str, Any]:
@@ -75,7 +85,8 @@ def build_report(options: SelfcheckOptions, ranks: List[Optional[Dict[str, Any]]
     check("prefill bit-exact", len(prefill) == n and not errors,
           "; ".join(errors[:3]) if errors else
           f"kernel inputs and reference attention equal the replicated pool's ({prefill[0]['forwards']} forwards "
-          f"on each of {n} ranks)" if len(prefill) == n else f"{len(prefill)} of {n} ranks finished the prefill")
+          f"on each of {n} ranks: {_write_paths(prefill[0].get('write_paths', {}))})" if len(prefill) == n
+          else f"{len(prefill)} of {n} ranks finished the prefill")
     decisions = [p["allocation"] for p in prefill]
     check("allocator decisions identical", len(decisions) == n and all(d == decisions[0] for d in decisions),
           f"{decisions[0]} on every rank" if len(decisions) == n else f"{len(decisions)} of {n} ranks reported")
@@ -118,6 +129,8 @@ def build_report(options: SelfcheckOptions, ranks: List[Optional[Dict[str, Any]]
         "request": {"tokens": options.context_len, "prefix_tokens": options.prefix_len,
                     "chunk_ends": options.chunk_ends, "pages": len(pages), "page_size": PAGE_SIZE},
         "ranks": rank_rows,
+        #: forwards by how their chunk rows reached the shards (rank 0's count; every rank decides alike)
+        "write_paths": prefill[0].get("write_paths", {}) if prefill else {},
         "checks": [asdict(c) for c in checks],
         "wall_s": round(wall_s, 1),
         "logs": workdir,
