@@ -6,7 +6,8 @@ import pytest
 from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
-             "fewer_pages_than_ranks", "full_view_fallback", "corrupted_shard_is_detected")
+             "fewer_pages_than_ranks", "full_view_fallback", "aligned_chunked_prefill", "aligned_radix_hit",
+             "corrupted_shard_is_detected")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -19,6 +20,12 @@ def test_harness_on_cuda_with_real_kernels(n):
     assert not failures, failures
     assert all(v["stats"]["detected"] for k, v in results.items()
                if k.startswith("corrupted_shard_is_detected/"))
+    # local writes ran with the real kernels: each rank's own rows stored into its shard by
+    # the fused stores, SGLang's chunk gathers left out (their re-range kernel ran for the rest)
+    for key, outcome in results.items():
+        if key.startswith("aligned_chunked_prefill/"):
+            assert outcome["stats"]["write_paths"].get("index=local,mla=local", 0) == 2 + key.startswith(
+                "aligned_chunked_prefill/bf16"), (key, outcome["stats"]["write_paths"])
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -28,7 +35,8 @@ def test_prefetch_on_cuda_with_real_kernels(n):
     CUDA stream; the next layer waits for it. Bit-exact, also with a rank that issues its
     gathers late, and the negative control still caught."""
     jobs = [(name, dtype, "off", {"prefetch": True}) for dtype in ("bf16", "fp8_e4m3")
-            for name in ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "corrupted_shard_is_detected")]
+            for name in ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "aligned_chunked_prefill",
+                         "corrupted_shard_is_detected")]
     jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
     results = run_cp_group(n, jobs, device="cuda", timeout_s=540)
     failures = {k: v["errors"] for k, v in results.items()

@@ -8,9 +8,12 @@ import torch
 from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.hooks import (
+    all_gather_in_seq_order,
     attach_batch_state,
     batch_state_of,
     forward_extend_on_dense_view,
+    index_key_kept_local,
+    latent_kept_local,
     store_index_k_owned_and_dense,
 )
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
@@ -56,6 +59,29 @@ def test_stock_pool_passes_straight_through():
     assert out == "stock"
     assert calls[-1] == (("backend", "q", "k", "v", "layer", fb),
                          {"save_kv_cache": True, "k_rope": "kr", "topk_indices": "t"})
+    assert index_key_kept_local(original, "indexer", "q_lora", "x", "positions", False, fb) == "stock"
+    assert calls[-1] == (("indexer", "q_lora", "x", "positions", False), {"forward_batch": fb})
+    assert latent_kept_local(original, "attention", "latent", fb, "k_nope", "k_pe") == "stock"
+    assert calls[-1] == (("attention", "latent", fb, "k_nope", "k_pe"), {})
+
+
+def test_the_index_key_gather_stays_local_only_inside_get_q_k_of_a_local_writes_forward():
+    """The re-range hook returns this rank's rows untouched (no collective) exactly while the
+    pool keeps in-seq gathers local, which ``index_key_kept_local`` sets around SGLang's
+    ``Indexer._get_q_k_bf16`` of a local-writes forward, and nowhere else."""
+    pool = _shared_pool()
+    fb = SimpleNamespace(token_to_kv_pool=pool, attn_cp_metadata=None)
+    rows = torch.ones(4, 8)
+    sglang = []
+
+    def gather(*args):
+        sglang.append(args)
+        return "gathered"
+
+    with pool.in_seq_gathers_kept_local():
+        assert all_gather_in_seq_order(gather, rows, 2, fb, None) is rows
+    assert not sglang and not pool.gathers_kept_local
+    assert all_gather_in_seq_order(gather, rows, 2, fb, None) == "gathered"  # no metadata: SGLang's
 
 
 def _shared_pool():
