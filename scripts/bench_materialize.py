@@ -28,6 +28,15 @@ the median over reps. Bus bandwidth follows NCCL's convention for all-gather:
 the same (512 + 64 latent, 128-wide index), so one table serves both; per-forward figures
 multiply by their layer counts (78 and 61).
 
+The current chunk (``--chunk-sizes``, default 8,192 tokens), per layer, two ways in the same
+run, interleaved: SGLang's two in-seq all-gathers of the chunk's bf16 KV (the latent, 576
+values, and the index key, 128 values, every rank's ceil(C/N) rows), which every chunk
+costs without local writes (flag off too); and what a local-writes chunk moves instead
+(``forward.local_writes``): the current region of the MLA and index views, packed from the
+shards and all-gathered as stored pages (bf16 or fp8 MLA rows, 132-byte index rows).
+Neither includes the stores (SGLang's path also stores every row on every rank and
+re-ranges the gathered rows; the local path stores each rank's own rows once).
+
   torchrun-free:  python scripts/bench_materialize.py --collective [--nprocs 2] > nccl.json
 """
 
@@ -47,12 +56,19 @@ HISTORIES = (8 * 1024, 32 * 1024, 128 * 1024)
 CP_SIZES = (2, 4, 8)
 
 
+#: bytes per token row of SGLang's two in-seq all-gathers of a chunk's KV: the bf16 latent
+#: (512 + 64 values) and the bf16 index key (128 values), whatever the KV cache dtype
+SGLANG_CHUNK_ROW_BYTES = {"latent": 2 * 576, "index_key": 2 * 128}
+
+
 def analytic(shape, dtype, n, history, chunk):
     page_bytes = PAGE * (shape.mla_row_bytes(dtype) + shape.index_row_bytes)
     hist_pages = -(-history // PAGE)
     all_pages = -(-(history + chunk) // PAGE)
     full_pad, hist_pad = -(-all_pages // n), -(-hist_pages // n)
     dense = all_pages * page_bytes
+    chunk_rows_per_rank, chunk_pages_per_rank = -(-chunk // n), -(-(-(-chunk // PAGE)) // n)
+    sglang_row = sum(SGLANG_CHUNK_ROW_BYTES.values())
     return {
         "history_tokens": history, "chunk_tokens": chunk, "cp_size": n, "kv_cache_dtype": dtype,
         "history_bytes": hist_pages * page_bytes,
@@ -60,6 +76,12 @@ def analytic(shape, dtype, n, history, chunk):
         "allreduce_zero_fill": {"send": 2 * (n - 1) * dense // n, "recv": 2 * (n - 1) * dense // n},
         "phase3_history_allgather": {"send": hist_pad * page_bytes, "recv": (n - 1) * hist_pad * page_bytes},
         "phase3_recv_over_history": round((n - 1) * hist_pad / hist_pages, 4) if hist_pages else 0.0,
+        # the current chunk: SGLang's bf16 gathers (every chunk without local writes, flag off
+        # too) against the stored pages a local-writes chunk gathers from the shards instead
+        "chunk_sglang_bf16_gathers": {"send": chunk_rows_per_rank * sglang_row,
+                                      "recv": (n - 1) * chunk_rows_per_rank * sglang_row},
+        "chunk_local_writes_page_gathers": {"send": chunk_pages_per_rank * page_bytes,
+                                            "recv": (n - 1) * chunk_pages_per_rank * page_bytes},
     }
 
 
@@ -157,7 +179,64 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - t
 
 
-def _collective_worker(rank, nprocs, port, backend, histories, reps, out_path):
+def _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps):
+    """Per layer, one current chunk: SGLang's bf16 in-seq gathers vs the local-writes page
+    gathers (module docstring), interleaved rep by rep; rank 0 returns the rows."""
+    import torch
+    import torch.distributed as dist
+
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+    from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
+    from sglang_cp_shared_kv.forward.materialize import gather_region, new_dense_view, page_words
+
+    layout, rows = CpSharedKVLayout(PAGE, nprocs, rank), []
+    for chunk in chunks:
+        per_rank = -(-chunk // nprocs)  # SGLang pads every rank's rows to ceil(C / N)
+        sglang_in = {k: torch.zeros((per_rank, b // 2), dtype=torch.bfloat16, device=device)
+                     for k, b in SGLANG_CHUNK_ROW_BYTES.items()}
+        sglang_out = {k: torch.empty((nprocs * per_rank, b // 2), dtype=torch.bfloat16, device=device)
+                      for k, b in SGLANG_CHUNK_ROW_BYTES.items()}
+
+        def sglang():
+            for k in SGLANG_CHUNK_ROW_BYTES:
+                dist.all_gather_into_tensor(sglang_out[k], sglang_in[k], group=group)
+
+        pages = -(-chunk // PAGE)
+        page_map = build_dense_page_map(layout, torch.arange(1, pages + 1, device=device), 0)  # all current
+        for dtype in ("bf16", "fp8_e4m3"):
+            shards = {kind: torch.zeros((page_map.current_pad + 1, PAGE * b // 8), dtype=torch.int64, device=device)
+                      for kind, b in (("mla", mla_row_bytes(dtype)), ("index", index_row_bytes()))}
+
+            def local():
+                for shard in shards.values():
+                    dense = new_dense_view(shard, page_map.num_dense_pages, 1)
+                    gather_region(kernels, page_words(dense, page_map.num_dense_pages), page_map.current_region,
+                                  shard, page_map.current_send, group)
+
+            for fn in (sglang, local):
+                for _ in range(3):
+                    _timed(fn, device)
+            samples = {"sglang": [], "local": []}
+            for _ in range(reps):
+                for name, fn in (("sglang", sglang), ("local", local)):
+                    samples[name].append(_timed(fn, device))
+            everyone = [None] * nprocs
+            dist.all_gather_object(everyone, samples)
+            if rank == 0:
+                median = {name: sorted(max(r[name][i] for r in everyone) for i in range(reps))[reps // 2]
+                          for name in samples}
+                rows.append({
+                    "chunk_tokens": chunk, "cp_size": nprocs, "kv_cache_dtype": dtype,
+                    "sglang_bf16_gathers_bytes": nprocs * per_rank * sum(SGLANG_CHUNK_ROW_BYTES.values()),
+                    "local_page_gathers_bytes": nprocs * page_map.current_pad * PAGE * (
+                        mla_row_bytes(dtype) + index_row_bytes()),
+                    "sglang_us": round(median["sglang"] * 1e6, 1), "local_us": round(median["local"] * 1e6, 1),
+                    "local_over_sglang_time": round(median["local"] / median["sglang"], 3),
+                })
+    return rows
+
+
+def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out_path):
     import torch
     import torch.distributed as dist
 
@@ -229,23 +308,27 @@ def _collective_worker(rank, nprocs, port, backend, histories, reps, out_path):
                     "per_forward_ms": {model: round(median["ours"] * layers * 1e3, 2)
                                        for model, layers in MODEL_LAYERS.items()},
                 })
+    chunk_rows = _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps)
     if rank == 0:
-        Path(out_path).write_text(json.dumps(rows))
+        Path(out_path).write_text(json.dumps({"rows": rows, "chunk_rows": chunk_rows}))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def collective_bench(nprocs: int, backend: str, histories, reps: int) -> dict:
+def collective_bench(nprocs: int, backend: str, histories, reps: int, chunks=(8192,)) -> dict:
     import tempfile
 
     import torch
     import torch.multiprocessing as mp
 
     out = Path(tempfile.mkdtemp()) / "collective.json"
-    mp.start_processes(_collective_worker, args=(nprocs, free_port(), backend, list(histories), reps, str(out)),
+    mp.start_processes(_collective_worker,
+                       args=(nprocs, free_port(), backend, list(histories), list(chunks), reps, str(out)),
                        nprocs=nprocs, start_method="spawn")
+    measured = json.loads(out.read_text())
     report = {"backend": backend, "cp_size": nprocs, "reps": reps, "statistic": "median over reps of the slowest rank",
-              "page_size": PAGE, "model_layers": MODEL_LAYERS, "rows": json.loads(out.read_text())}
+              "page_size": PAGE, "model_layers": MODEL_LAYERS, "rows": measured["rows"],
+              "chunk_rows": measured["chunk_rows"]}
     if backend == "nccl":
         report["gpu"] = torch.cuda.get_device_name(0)
         report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -265,6 +348,8 @@ def main():
     ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl", help="--collective: process group backend")
     ap.add_argument("--histories", default=",".join(str(h) for h in COLLECTIVE_HISTORIES),
                     help="--collective: comma-separated history lengths in tokens")
+    ap.add_argument("--chunk-sizes", default="8192",
+                    help="--collective: comma-separated current-chunk lengths for the chunk table")
     ap.add_argument("--reps", type=int, default=20, help="--collective: timed reps per path")
     args = ap.parse_args()
     if args.collective:
@@ -274,7 +359,8 @@ def main():
         if nprocs < 2:
             ap.error("--collective needs at least 2 ranks (--nprocs, or 2+ visible GPUs)")
         histories = [int(h) for h in args.histories.split(",")]
-        print(json.dumps(collective_bench(nprocs, args.backend, histories, args.reps), indent=1))
+        chunks = [int(c) for c in args.chunk_sizes.split(",")]
+        print(json.dumps(collective_bench(nprocs, args.backend, histories, args.reps, chunks), indent=1))
         return
     shape = NsaModelShape.load(args.model_config)
     try:

@@ -15,7 +15,10 @@
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
-#   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out).
+#   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
+#   MATERIALIZE="--nprocs 2 ..." runs scripts/bench_materialize.py --collective over NCCL, one
+#   process per GPU (history gathers vs a plain all-gather; chunk gathers, SGLang's vs local
+#   writes; JSON to $out/bench_materialize_nccl.json).
 # Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
 # DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster.
 set -uo pipefail
@@ -71,6 +74,10 @@ if [ -n "${PD:-}" ]; then
     > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
   tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
   grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
+fi
+if [ -n "${MATERIALIZE:-}" ]; then
+  python3 scripts/bench_materialize.py --collective $MATERIALIZE > "$out/bench_materialize_nccl.json" \
+    2> "$out/bench_materialize_nccl.err" || { status=1; tail -5 "$out/bench_materialize_nccl.err"; }
 fi
 if [ -n "${PD_BENCH:-}" ]; then
   python3 scripts/bench_pd_transfer.py $PD_BENCH --workdir "$HOME/pd-bench-work" --out "$out/bench_pd_transfer.json" \

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_collective_bench_on_gloo(nprocs):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_materialize.py"), "--collective", "--backend", "gloo",
-         "--nprocs", str(nprocs), "--histories", "100,1000", "--reps", "2"],
+         "--nprocs", str(nprocs), "--histories", "100,1000", "--chunk-sizes", "512", "--reps", "2"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -30,3 +30,11 @@ def test_collective_bench_on_gloo(nprocs):
         assert row["ours_us"] > 0 and row["plain_us"] > 0 and row["pack_us"] > 0
         assert row["ours_over_plain_bandwidth"] > 0
         assert set(row["per_forward_ms"]) == {"glm-5", "deepseek-v3.2"}
+    # the current chunk: SGLang's bf16 gathers against the local-writes page gathers
+    assert {(r["chunk_tokens"], r["kv_cache_dtype"]) for r in report["chunk_rows"]} == {
+        (512, "bf16"), (512, "fp8_e4m3")}
+    for row in report["chunk_rows"]:
+        assert row["sglang_us"] > 0 and row["local_us"] > 0
+        assert row["sglang_bf16_gathers_bytes"] == nprocs * -(-512 // nprocs) * (1152 + 256)
+        mla = 1152 if row["kv_cache_dtype"] == "bf16" else 656
+        assert row["local_page_gathers_bytes"] == nprocs * -(-8 // nprocs) * 64 * (mla + 132)

@@ -3,11 +3,13 @@
 1. :mod:`.dense_layout` -- where each page of a sequence sits in the dense scratch;
 2. :mod:`.batch_state` -- the per-batch state, built once per forward (owned rows, the
    dense placement, the page inverse, the remapped page tables);
-3. :mod:`.writes` -- owner-only stores into this rank's shard, and stores of the current
-   chunk into a dense view;
-4. :mod:`.materialize` -- the dense views the stock NSA kernels read, layer by layer;
-5. :mod:`.in_seq_rerange` -- SGLang's in-seq CP all-gather, re-ordered by one kernel;
-6. :mod:`.hooks` -- the hook functions ``plugin.HOOKS`` names; they translate SGLang's
+3. :mod:`.writes` -- stores into this rank's shard (its own rows, or its owned rows of a
+   view), and stores of the current chunk into a dense view;
+4. :mod:`.local_writes` -- whether a forward's chunk is stored where it was computed, with
+   SGLang's all-gathers of its KV left out;
+5. :mod:`.materialize` -- the dense views the stock NSA kernels read, layer by layer;
+6. :mod:`.in_seq_rerange` -- SGLang's in-seq CP all-gather, re-ordered by one kernel;
+7. :mod:`.hooks` -- the hook functions ``plugin.HOOKS`` names; they translate SGLang's
    arguments and call the modules above.
 
 The per-batch state has one home: the shared-KV pool (``pool.batch_state``), which every
