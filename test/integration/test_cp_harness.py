@@ -123,8 +123,13 @@ def test_lane_exhaustion_falls_back_alike_on_every_rank(group):
     (the harness fails a scenario whose ranks' allocator decisions differ), stays bit-exact,
     and the next chunk is compute-owner again."""
     n, results = group
-    for stats in (v["stats"] for v in _assert_clean(results, "lane_exhaustion").values()):
+    for key, outcome in _assert_clean(results, "lane_exhaustion").items():
+        stats = outcome["stats"]
         assert stats["lane_fallbacks"] == 1 and stats["compute_owner_after"] == 1
+        # the fallback chunk's interleaved pages are gathered; the next chunk (no prefix) is
+        # stored where it was computed (fp8: its latent gathered, RAGGED reads the chunk)
+        after = LOCAL if key.split("/")[1] == "bf16" else MLA_GATHERED
+        assert stats["write_paths"] == {GATHERED: 1, after: 1}, (key, stats["write_paths"])
 
 
 def test_prefetch_bit_exact(group):

@@ -97,8 +97,10 @@ def corrupted_shard_is_detected(rig: Rig):
 
 def lane_exhaustion(rig: Rig):
     """Free pages skewed to rank 0's owner lane: a chunk the other lanes cannot serve takes
-    interleaved pages (the same fallback on every rank) and stays bit-exact; a chunk the
-    lanes can serve afterwards is compute-owner again."""
+    interleaved pages (the same fallback on every rank) and stays bit-exact -- SGLang cuts
+    it page by page, but its pages are not their computing ranks', so it is gathered, not
+    stored where computed; a chunk the lanes can serve afterwards is compute-owner again,
+    and stored where it was computed."""
     import torch
 
     alloc = rig.allocator
@@ -108,7 +110,7 @@ def lane_exhaustion(rig: Rig):
     alloc.free((back[:, None] * PAGE + torch.arange(PAGE, device=back.device)).reshape(-1))
     before = dataclasses.replace(alloc.stats)
     req = rig.new_request()
-    served = rig.extend(req, 3 * rig.n * PAGE)  # 3N pages: more than the 2 free pages of lanes 1..N-1 can hold
+    served = rig.extend(req, 4 * rig.n * PAGE)  # 4N pages: more than the 2 free pages of lanes 1..N-1 can hold
     rig.stats["lane_fallbacks"] = alloc.stats.lane_fallbacks - before.lane_fallbacks
     rig.release(req, set())
     rest = held[~torch.isin(held, back)]
