@@ -11,20 +11,23 @@ from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
 def _simulate_gather(n, seq_pages, history, full_view):
     """Fill a dense scratch the way the collective does: every rank's pool page q holds
-    the logical page id stored there; rank r's send list goes to block r of a region."""
+    the logical page id stored there; rank r's send list -- or, when its pages form a run,
+    the pages of the run straight from its pool -- goes to block r of a region."""
     maps = [build_dense_page_map(CpSharedKVLayout(PAGE, n, r), torch.tensor(seq_pages), history)
             for r in range(n)]
     ref = maps[0]
     dense = torch.full((ref.num_dense_pages,), -1, dtype=torch.int64)
-    regions = [("history_region", "history_send", ref.history_pad)]
+    regions = [("history_region", "history_send", "history_run", ref.history_pad)]
     if full_view:
-        regions.append(("current_region", "current_send", ref.current_pad))
-    for region, send, pad in regions:
+        regions.append(("current_region", "current_send", "current_run", ref.current_pad))
+    for region, send, run, pad in regions:
         start, _ = getattr(ref, region)
         for r, m in enumerate(maps):
             lay = CpSharedKVLayout(PAGE, n, r)
+            first = getattr(m, run)
+            sent = torch.arange(first, first + pad) if first >= 0 else getattr(m, send)
             # logical page held at each physical page the rank sends (0 for the padding)
-            dense[start + r * pad: start + (r + 1) * pad] = lay.physical_pages_to_logical(getattr(m, send))
+            dense[start + r * pad: start + (r + 1) * pad] = lay.physical_pages_to_logical(sent)
     return maps, dense
 
 
@@ -46,6 +49,21 @@ def test_gather_fills_every_page_where_the_map_says(n, num_pages, data):
     assert all(lo <= p < hi for p in place[:history].tolist())
     lo, hi = maps[0].current_region
     assert all(lo <= p < hi for p in place[history:].tolist())
+
+
+def test_a_rank_whose_pages_are_consecutive_in_its_pool_sends_them_without_a_pack():
+    n = 3
+    fresh = torch.arange(1, 13)  # owners 0 1 2 0 1 2 ...: every rank's pages are its physical 1, 2, 3, 4
+    for r in range(n):
+        m = build_dense_page_map(CpSharedKVLayout(PAGE, n, r), fresh, history_pages=6)
+        assert (m.history_run, m.current_run) == (1, 3), r
+        assert m.history_send.tolist() == [1, 2] and m.current_send.tolist() == [3, 4]
+    # out of sequence order in the pool (a radix prefix on reused pages): packed
+    m = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), torch.tensor([4, 1, 7, 2, 3]), history_pages=3)
+    assert m.history_send.tolist() == [2, 1, 3] and m.history_run == -1
+    # a gap in the pool: packed; a rank owning nothing of a region: packed (page 0 padding)
+    m = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), torch.tensor([1, 7, 2, 3]), history_pages=2)
+    assert m.history_send.tolist() == [1, 3] and m.history_run == -1 and m.current_run == -1
 
 
 def test_block_sizes_are_the_largest_owner_counts():

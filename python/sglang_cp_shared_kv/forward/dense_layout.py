@@ -17,7 +17,11 @@ block is padded to ``M`` = the largest number of pages any one rank owns in that
 region. ``M_h`` and ``M_c`` derive from the sequence's logical page list, which every
 CP rank holds identically, so the collective sizes are rank-identical by construction.
 
-The history region is filled by one all-gather of each rank's owned history pages.
+The history region is filled by one all-gather of each rank's owned history pages. When
+a rank's pages of a region are consecutive in its pool, in sequence order (compute-owner
+pages usually are), the all-gather reads them straight from the shard: no pack
+(``history_run`` / ``current_run``; the padding slots after a run hold whatever follows it
+in the pool, which nothing reads).
 The current region is filled locally from the current chunk's KV, which every rank
 already has after SGLang's in-seq CP all-gather (phase 3); when that KV is not at hand
 the current region is gathered the same way (the phase-2 full view).
@@ -48,6 +52,10 @@ class DensePageMap:
     history_send: torch.Tensor  # (M_h,) int64: this rank's physical pages, history region order
     current_send: torch.Tensor  # (M_c,) int64: same for the current region
     current_owners: Tuple[int, ...] = ()  # owner of each current-only page, in sequence order (host)
+    #: first physical page of this rank's history / current pages when they are consecutive
+    #: in its pool in sequence order (the send list is then a run: no pack); -1 otherwise
+    history_run: int = -1
+    current_run: int = -1
 
     @property
     def num_dense_pages(self) -> int:
@@ -94,13 +102,28 @@ def _place_region(owners: torch.Tensor, physical: torch.Tensor, rank: int, cp_si
     return dense, send[:block_pad]
 
 
+_NO_RUN = -1
+
+
+def _run_of(owned: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
+    """(first page, is a run) of the ``owned`` entries of ``physical`` (device scalars): a run
+    when they are consecutive pages in sequence order."""
+    index_in_run = owned.cumsum(0) - 1
+    offset = physical - index_in_run
+    big = torch.iinfo(offset.dtype).max
+    first = torch.where(owned, offset, big).min() if owned.numel() else offset.new_tensor(big)
+    is_run = torch.where(owned, offset, first).eq(first).all() & owned.any()
+    return torch.stack([first, is_run.to(first.dtype)])
+
+
 def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, history_pages: int) -> DensePageMap:
     """Place the ``P`` logical pages of one sequence (``seq_pages``, in sequence order;
     the first ``history_pages`` are history) in the dense scratch.
 
-    One host synchronisation reads the two block sizes, which size the collectives, and
-    the owners of the current-only pages (``forward.local_writes`` compares them with the
-    ranks that compute those pages).
+    One host synchronisation reads the two block sizes, which size the collectives, whether
+    this rank's pages of each region form a run in its pool, and the owners of the
+    current-only pages (``forward.local_writes`` compares them with the ranks that compute
+    those pages).
     """
     seq_pages = seq_pages.to(torch.int64)
     num_pages = int(seq_pages.numel())
@@ -113,8 +136,13 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         torch.bincount(owners[:history_pages], minlength=n),
         torch.bincount(owners[history_pages:], minlength=n),
     ])
-    host = torch.cat([counts.max(dim=1).values, owners[history_pages:]]).tolist()
-    history_pad, current_pad, current_owners = int(host[0]), int(host[1]), tuple(int(x) for x in host[2:])
+    mine = owners == layout.cp_rank
+    runs = torch.cat([_run_of(mine[:history_pages], physical[:history_pages]),
+                      _run_of(mine[history_pages:], physical[history_pages:])])
+    host = torch.cat([counts.max(dim=1).values, runs, owners[history_pages:]]).tolist()
+    history_pad, current_pad, current_owners = int(host[0]), int(host[1]), tuple(int(x) for x in host[6:])
+    history_run = int(host[2]) if host[3] else _NO_RUN
+    current_run = int(host[4]) if host[5] else _NO_RUN
     hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
                                           layout.cp_rank, n, history_pad, DENSE_DUMMY_PAGES)
     cur_dense, cur_send = _place_region(owners[history_pages:], physical[history_pages:],
@@ -130,4 +158,6 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         history_send=hist_send,
         current_send=cur_send,
         current_owners=current_owners,
+        history_run=history_run,
+        current_run=current_run,
     )

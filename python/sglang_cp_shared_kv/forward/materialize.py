@@ -51,15 +51,22 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
                   shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False,
-                  timer=None):
+                  timer=None, run: int = -1):
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
-    Returns (bytes this rank receives, the collective's work handle when ``async_op``, else
-    None); no collective, on every rank alike, when the region is empty."""
+    ``run`` >= 0: this rank's pages are the consecutive pages from ``run`` (the padding after
+    them unread), sent straight from the shard without a pack. Returns (bytes this rank
+    receives, the collective's work handle when ``async_op``, else None); no collective, on
+    every rank alike, when the region is empty."""
     start, end = region
     if end == start:
         return 0, None
     with marked("materialize:pack+gather", timer):
-        packed = kernels.pack_pages(shard_words, send_pages)
+        count = send_pages.numel()
+        if 0 <= run and run + count <= shard_words.shape[0]:
+            # NOTE: a rank-local choice; the collective (shapes, order, group) is the same either way
+            packed = shard_words[run: run + count]
+        else:
+            packed = kernels.pack_pages(shard_words, send_pages)
         work = torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group,
                                                         async_op=async_op)
     return (end - start - packed.shape[0]) * packed.shape[1] * 8, work
@@ -104,10 +111,11 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
     dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard.shape[0])
     received, _ = gather_region(state.kernels, dense_words, page_map.history_region, shard_words,
-                                page_map.history_send, state.group, timer=state.timer)
+                                page_map.history_send, state.group, timer=state.timer, run=page_map.history_run)
     if store_chunk_into is None:
         received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
-                                  page_map.current_send, state.group, timer=state.timer)[0]
+                                  page_map.current_send, state.group, timer=state.timer,
+                                  run=page_map.current_run)[0]
     else:
         store_chunk_into(dense)
         with marked("owner_write", state.timer):
@@ -149,7 +157,8 @@ def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *,
     dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
     received, work = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
                                    page_map.history_region, page_words(shard, shard.shape[0] // page_size),
-                                   page_map.history_send, group, async_op=async_op, timer=state.timer)
+                                   page_map.history_send, group, async_op=async_op, timer=state.timer,
+                                   run=page_map.history_run)
     return MlaHistory(layer_id, dense, received, work, state.timer)
 
 
@@ -167,7 +176,8 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     if chunk is None:
         received += gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
                                   page_map.current_region, page_words(shard, shard.shape[0] // page_size),
-                                  page_map.current_send, state.group, timer=state.timer)[0]
+                                  page_map.current_send, state.group, timer=state.timer,
+                                  run=page_map.current_run)[0]
     else:
         with marked("materialize:chunk", state.timer):
             store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
