@@ -19,10 +19,12 @@ Usage: python scripts/bench_materialize.py [--chunk 4096] [--cpu-time] > out.jso
 ``--collective``: one process per GPU (``--nprocs``, default every visible GPU; NCCL), or per
 CPU process with ``--backend gloo``. Per layer and per history length, each rank times
 the plugin's own materialize of the history (the dense view allocated as
-``materialize_mla`` / ``materialize_index`` allocate it, the owned pages packed by the
-kernel and all-gathered into it: ``gather_region``), the pack alone, and a plain
-``all_gather_into_tensor`` of the same bytes from a contiguous buffer into a preallocated
-one, interleaved rep by rep in one run. A rep's time is the slowest rank's; the figure is
+``materialize_mla`` / ``materialize_index`` allocate it and the owned pages all-gathered
+into it: ``gather_region``) two ways -- ``ours``: the pages consecutive in the rank's pool,
+as compute-owner pages of one request usually are, sent straight from the shard;
+``packed``: the same pages packed by the kernel first, as pages reused out of order are --
+the pack alone, and a plain ``all_gather_into_tensor`` of the same bytes from a contiguous
+buffer into a preallocated one, interleaved rep by rep in one run. A rep's time is the slowest rank's; the figure is
 the median over reps. Bus bandwidth follows NCCL's convention for all-gather:
 ``bytes out / time x (N - 1) / N``. The per-layer shapes of GLM-5 and DeepSeek-V3.2 are
 the same (512 + 64 latent, 128-wide index), so one table serves both; per-forward figures
@@ -211,7 +213,7 @@ def _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps):
                 for shard in shards.values():
                     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
                     gather_region(kernels, page_words(dense, page_map.num_dense_pages), page_map.current_region,
-                                  shard, page_map.current_send, group)
+                                  shard, page_map.current_send, group, run=page_map.current_run)
 
             for fn in (sglang, local):
                 for _ in range(3):
@@ -266,11 +268,14 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
             contiguous = shard[1: page_map.history_pad + 1].contiguous()
             plain_out = torch.empty((nprocs * page_map.history_pad, words), dtype=torch.int64, device=device)
 
-            def ours():
+            def ours(run=page_map.history_run):
                 dense = new_dense_view(shard, page_map.num_dense_pages, 1)  # as the materialize allocates it
                 gather_region(kernels, page_words(dense, page_map.num_dense_pages), page_map.history_region,
-                              shard, send, group)
+                              shard, send, group, run=run)
                 return dense
+
+            def packed():
+                ours(run=-1)
 
             def pack():
                 kernels.pack_pages(shard, send)
@@ -278,17 +283,21 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
             def plain():
                 dist.all_gather_into_tensor(plain_out, contiguous, group=group)
 
-            # correctness first: the dense history region is every rank's pages in order
-            dense = ours()
+            # correctness first: every page of the sequence lands where the plain all-gather of the
+            # same pages puts it (the padding slots after a run hold other pages; nothing reads them)
             start, end = page_map.history_region
             dist.all_gather_into_tensor(plain_out, shard.index_select(0, send), group=group)
-            assert torch.equal(dense[start:end], plain_out), "materialize != plain all-gather of the same pages"
-            for fn in (ours, pack, plain):  # warm-up (allocator, NCCL channels, kernel JIT)
+            placed = page_map.dense_page
+            for dense in (ours(), ours(run=-1)):
+                assert torch.equal(dense[placed], plain_out[placed - start]), \
+                    "materialize != plain all-gather of the same pages"
+            paths = (("ours", ours), ("packed", packed), ("pack", pack), ("plain", plain))
+            for _, fn in paths:  # warm-up (allocator, NCCL channels, kernel JIT)
                 for _ in range(3):
                     _timed(fn, device)
-            samples = {"ours": [], "pack": [], "plain": []}
-            for _ in range(reps):  # interleaved, so drift hits all three alike
-                for name, fn in (("ours", ours), ("pack", pack), ("plain", plain)):
+            samples = {name: [] for name, _ in paths}
+            for _ in range(reps):  # interleaved, so drift hits all of them alike
+                for name, fn in paths:
                     samples[name].append(_timed(fn, device))
             everyone = [None] * nprocs
             dist.all_gather_object(everyone, samples)
@@ -300,11 +309,14 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
                 rows.append({
                     "kind": kind, "history_tokens": history, "cp_size": nprocs, "pages_per_rank": page_map.history_pad,
                     "gathered_bytes": out_bytes,
-                    "ours_us": round(median["ours"] * 1e6, 1), "pack_us": round(median["pack"] * 1e6, 1),
-                    "plain_us": round(median["plain"] * 1e6, 1),
+                    "sent_from_shard": page_map.history_run >= 0,
+                    "ours_us": round(median["ours"] * 1e6, 1), "packed_us": round(median["packed"] * 1e6, 1),
+                    "pack_us": round(median["pack"] * 1e6, 1), "plain_us": round(median["plain"] * 1e6, 1),
                     "ours_bus_gb_per_s": round(bus(median["ours"]), 1),
+                    "packed_bus_gb_per_s": round(bus(median["packed"]), 1),
                     "plain_bus_gb_per_s": round(bus(median["plain"]), 1),
                     "ours_over_plain_bandwidth": round(median["plain"] / median["ours"], 3),
+                    "packed_over_plain_bandwidth": round(median["plain"] / median["packed"], 3),
                     "per_forward_ms": {model: round(median["ours"] * layers * 1e3, 2)
                                        for model, layers in MODEL_LAYERS.items()},
                 })

@@ -27,8 +27,9 @@ def test_collective_bench_on_gloo(nprocs):
     for row in rows:
         pages = -(-row["history_tokens"] // 64)
         assert row["pages_per_rank"] == -(-pages // nprocs)
-        assert row["ours_us"] > 0 and row["plain_us"] > 0 and row["pack_us"] > 0
-        assert row["ours_over_plain_bandwidth"] > 0
+        assert row["ours_us"] > 0 and row["packed_us"] > 0 and row["plain_us"] > 0 and row["pack_us"] > 0
+        assert row["ours_over_plain_bandwidth"] > 0 and row["packed_over_plain_bandwidth"] > 0
+        assert row["sent_from_shard"]  # one request's fresh pages: consecutive in each rank's pool
         assert set(row["per_forward_ms"]) == {"glm-5", "deepseek-v3.2"}
     # the current chunk: SGLang's bf16 gathers against the local-writes page gathers
     assert {(r["chunk_tokens"], r["kv_cache_dtype"]) for r in report["chunk_rows"]} == {
