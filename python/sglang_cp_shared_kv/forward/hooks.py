@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked

@@ -42,7 +42,7 @@ import torch
 
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
-from sglang_cp_shared_kv.page_split import segment_row_ranges, segment_rank, token_split_page_ranks
+from sglang_cp_shared_kv.page_split import segment_rank, segment_row_ranges, token_split_page_ranks
 
 logger = logging.getLogger(__name__)
 
