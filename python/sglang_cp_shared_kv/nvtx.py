@@ -3,8 +3,9 @@ ranges. Off by default; ``SGLANG_CP_SHARED_KV_NVTX=1`` turns them on. Off, :func
 returns a shared no-op context: no range is pushed, no CUDA call is made.
 
 Ranges (all named ``cp_shared_kv:<what>``): ``batch_state``, ``owner_write``,
-``materialize:pack+gather``, ``materialize:chunk``, ``prefetch:issue``, ``prefetch:wait``,
-``pd:batch``. A range given the rank's :class:`..stage_timer.StageTimer` is also timed
+``materialize:pack+gather`` (a history gather), ``materialize:current`` (a current-region
+gather: local writes, a full view), ``materialize:chunk``, ``prefetch:issue``,
+``prefetch:wait``, ``pd:batch``. A range given the rank's :class:`..stage_timer.StageTimer` is also timed
 (device time per stage, read inside the server; see that module).
 """
 

@@ -3,7 +3,7 @@
 On with the NVTX switch (``SGLANG_CP_SHARED_KV_NVTX=1``, read when the pool is built):
 every range :func:`sglang_cp_shared_kv.nvtx.marked` opens is then also timed here, per
 rank, per stage name (``batch_state``, ``owner_write``, ``materialize:pack+gather``,
-``materialize:chunk``, ``prefetch:issue``, ``prefetch:wait``)::
+``materialize:current``, ``materialize:chunk``, ``prefetch:issue``, ``prefetch:wait``)::
 
     stage time = end event - start event, both recorded on the stream the work was issued on
 

@@ -42,6 +42,7 @@ def group(request):
         jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
         jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
         jobs += [("chunked_prefill", "fp8_e4m3", "off", {"prefetch": True, "stage_timer": True})]
+        jobs += [("aligned_chunked_prefill", "bf16", "off", {"prefetch": True, "stage_timer": True})]
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
 
@@ -142,7 +143,7 @@ def test_prefetch_bit_exact(group):
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
     runs = {k: v for k, v in results.items() if "prefetch=True" in k}
-    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 2
+    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 3
     for key, outcome in runs.items():
         if key.startswith("corrupted_shard_is_detected/"):
             assert outcome["stats"]["detected"], key  # the comparison still catches a bad page
@@ -153,22 +154,30 @@ def test_prefetch_bit_exact(group):
 
 def test_stage_timer_times_every_stage_of_every_forward(group):
     """With timing on (the NVTX switch), every stage of every forward is timed and read back,
-    and the run stays bit-exact."""
+    and the run stays bit-exact; a local-writes chunk's current-region gathers are a stage of
+    their own (``materialize:current``: no prefetch can hide them)."""
     n, results = group
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
-    (key, outcome), = [(k, v) for k, v in results.items() if "stage_timer=True" in k]
-    assert not outcome["errors"], (key, outcome["errors"])
-    stats = outcome["stats"]
-    times = stats["stage_times"]
-    assert times["forwards"] == stats["forwards"] and times["pending"] == 0 and times["dropped"] == 0
-    calls = {stage: v["calls"] for stage, v in times["stages"].items()}
-    assert calls["batch_state"] == stats["forwards"]
-    assert calls["owner_write"] == 2 * stats["layers"]  # index and MLA, every layer of every forward
-    assert calls["materialize:chunk"] == stats["layers"]
-    assert calls["prefetch:issue"] == calls["prefetch:wait"] > 0  # each one prefetched is waited for
-    assert calls["materialize:pack+gather"] >= calls["prefetch:issue"]
-    assert all(v["total_ms"] >= 0 for v in times["stages"].values()) and times["clock"] == "perf_counter"
+    timed = {k: v for k, v in results.items() if "stage_timer=True" in k}
+    assert {k.split("/")[0] for k in timed} == {"chunked_prefill", "aligned_chunked_prefill"}
+    for key, outcome in timed.items():
+        assert not outcome["errors"], (key, outcome["errors"])
+        stats = outcome["stats"]
+        times = stats["stage_times"]
+        assert times["forwards"] == stats["forwards"] and times["pending"] == 0 and times["dropped"] == 0
+        calls = {stage: v["calls"] for stage, v in times["stages"].items()}
+        per_forward = stats["layers"] // stats["forwards"]
+        local = per_forward * stats["write_paths"].get(LOCAL, 0)  # layers stored where computed
+        assert calls["batch_state"] == stats["forwards"]
+        assert calls["owner_write"] == 2 * stats["layers"]  # index and MLA, every layer of every forward
+        assert calls["materialize:chunk"] == stats["layers"] - local
+        assert calls.get("materialize:current", 0) == 2 * local  # index and MLA current pages
+        assert calls["prefetch:issue"] == calls["prefetch:wait"] > 0  # each one prefetched is waited for
+        assert calls["materialize:pack+gather"] >= calls["prefetch:issue"]
+        assert all(v["total_ms"] >= 0 for v in times["stages"].values()) and times["clock"] == "perf_counter"
+    assert timed["aligned_chunked_prefill/bf16/debug=off/prefetch=True/stage_timer=True"]["stats"][
+        "write_paths"][LOCAL] == 3
 
 
 def test_corrupted_shard_is_detected(group):

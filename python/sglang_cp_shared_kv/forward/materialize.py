@@ -43,6 +43,9 @@ from sglang_cp_shared_kv.nvtx import marked
 
 logger = logging.getLogger(__name__)
 
+#: the stage (NVTX range) of a current-region gather: local writes, or a phase-2 full view
+CURRENT_STAGE = "materialize:current"
+
 
 def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
     """``buffer`` (contiguous, page-major) as (num_pages, int64 words per page)."""
@@ -51,16 +54,17 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
 
 def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
                   shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False,
-                  timer=None, run: int = -1):
+                  timer=None, run: int = -1, stage: str = "materialize:pack+gather"):
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
     ``run`` >= 0: this rank's pages are the consecutive pages from ``run`` (the padding after
-    them unread), sent straight from the shard without a pack. Returns (bytes this rank
-    receives, the collective's work handle when ``async_op``, else None); no collective, on
-    every rank alike, when the region is empty."""
+    them unread), sent straight from the shard without a pack. ``stage``: the NVTX range /
+    stage-timer name (``materialize:current`` for a current region, which no prefetch can
+    hide). Returns (bytes this rank receives, the collective's work handle when
+    ``async_op``, else None); no collective, on every rank alike, when the region is empty."""
     start, end = region
     if end == start:
         return 0, None
-    with marked("materialize:pack+gather", timer):
+    with marked(stage, timer):
         count = send_pages.numel()
         if 0 <= run and run + count <= shard_words.shape[0]:
             # NOTE: a rank-local choice; the collective (shapes, order, group) is the same either way
@@ -115,7 +119,7 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     if store_chunk_into is None:
         received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
                                   page_map.current_send, state.group, timer=state.timer,
-                                  run=page_map.current_run)[0]
+                                  run=page_map.current_run, stage=CURRENT_STAGE)[0]
     else:
         store_chunk_into(dense)
         with marked("owner_write", state.timer):
@@ -177,7 +181,7 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
         received += gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
                                   page_map.current_region, page_words(shard, shard.shape[0] // page_size),
                                   page_map.current_send, state.group, timer=state.timer,
-                                  run=page_map.current_run)[0]
+                                  run=page_map.current_run, stage=CURRENT_STAGE)[0]
     else:
         with marked("materialize:chunk", state.timer):
             store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)
