@@ -81,7 +81,8 @@ def build_pools(original, runner, *args, **kwargs):
         return original(runner, *args, **kwargs)
     if getattr(runner.memory_pool_config, PHYSICAL_TOKENS_ATTR, None) is None:
         raise RuntimeError(f"{FLAG}: the pools are being built before the capacity split ran")
-    context = CpSharedKVContext(layout_for_runner(runner))
+    context = CpSharedKVContext(layout_for_runner(runner),
+                                metrics_enabled=bool(getattr(runner.server_args, "enable_metrics", False)))
     if prefetch_enabled():
         context.prefetch_group = new_prefetch_group()
         logger.info("CP shared KV: MLA history prefetch on (%s=1): one layer ahead on its own communicator",

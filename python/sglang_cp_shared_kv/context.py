@@ -50,9 +50,37 @@ class CpSharedKVContext:
     #: forwards by how their chunk rows reached the shards, (index, MLA) -> count, each
     #: "local" (stored by the computing rank, ``forward.local_writes``) or "gathered" (phase 3)
     write_paths: Counter = field(default_factory=Counter)
+    #: with ``--enable-metrics``: ``write_paths`` is also counted in Prometheus,
+    #: ``sglang:cp_shared_kv_prefill_forwards_total{cp_rank,index,mla}``
+    metrics_enabled: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, CpSharedKVLayout):
             raise TypeError(f"CpSharedKVContext needs a CpSharedKVLayout, got {type(self.layout).__name__}")
         if self.stage_timer is None and nvtx_enabled():
             self.stage_timer = StageTimer.from_env(self.layout.cp_rank)
+
+    def count_write_path(self, index: str, mla: str) -> None:
+        """One more forward whose index keys / MLA latent reached the shards by ``index`` /
+        ``mla`` ("local" or "gathered")."""
+        self.write_paths[(index, mla)] += 1
+        if self.metrics_enabled:
+            _forwards_counter().labels(cp_rank=str(self.layout.cp_rank), index=index, mla=mla).inc()
+
+
+# NOTE: prometheus_client's registry is process-wide and refuses a second counter of one
+# name, so the counter object is kept per process (it holds no per-runner state).
+_FORWARDS_COUNTER: list = []
+
+
+def _forwards_counter():
+    if not _FORWARDS_COUNTER:
+        from prometheus_client import Counter as PrometheusCounter
+
+        _FORWARDS_COUNTER.append(PrometheusCounter(
+            "sglang:cp_shared_kv_prefill_forwards_total",
+            "Prefill forwards of a CP rank under shared KV, by how the chunk's index keys and MLA "
+            "latent reached the shards: local (stored by the rank that computed them, SGLang's "
+            "all-gather left out) or gathered (SGLang's all-gather, then the owned rows copied out).",
+            labelnames=("cp_rank", "index", "mla")))
+    return _FORWARDS_COUNTER[0]

@@ -9,6 +9,9 @@ labels as SGLang's gauges:
 * ``sglang:cp_shared_kv_cp_size`` - ranks the logical capacity is spread over;
 * ``sglang:cp_shared_kv_kv_gb_per_rank`` - the per-rank KV buffers in GB (2**30 B).
 
+Counters kept where they are counted: the PD transfer's (``transfer/stats.py``) and the
+prefill forwards by write path (``context.CpSharedKVContext.count_write_path``).
+
 The figures come from the scheduler's own model runner (its pool's context), not from
 any process-wide record. NOTE: SGLang emits its constants at the end of
 ``Scheduler.init_model_worker``, but ``sglang.srt.managers.scheduler`` does not import

@@ -88,3 +88,20 @@ def test_the_gauges_are_set_right_after_sglang_emits_its_constants():
     after = calls[calls.index("self.init_model_worker") + 1]
     assert after == "self.install_device_timer_on_runners"
     assert "self.metrics_collector.emit_constants(" in ast.unparse(methods["init_model_worker"])
+
+
+def test_forwards_are_counted_by_write_path():
+    """Every forward counts how its chunk's rows reached the shards, in the context and, with
+    --enable-metrics, in ``sglang:cp_shared_kv_prefill_forwards_total{cp_rank,index,mla}``."""
+    quiet = CpSharedKVContext(CpSharedKVLayout(64, 2, 0))
+    quiet.count_write_path("local", "local")
+    assert quiet.write_paths == {("local", "local"): 1}
+    counted = CpSharedKVContext(CpSharedKVLayout(64, 2, 1), metrics_enabled=True)
+    for path in [("local", "local"), ("local", "local"), ("local", "gathered"), ("gathered", "gathered")]:
+        counted.count_write_path(*path)
+    text = _scrape()
+    name = "sglang:cp_shared_kv_prefill_forwards_total"
+    assert f'{name}{{cp_rank="1",index="local",mla="local"}} 2.0' in text
+    assert f'{name}{{cp_rank="1",index="local",mla="gathered"}} 1.0' in text
+    assert f'{name}{{cp_rank="1",index="gathered",mla="gathered"}} 1.0' in text
+    assert 'cp_rank="0"' not in "".join(line for line in text.splitlines() if line.startswith(name))

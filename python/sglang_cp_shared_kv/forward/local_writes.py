@@ -141,6 +141,6 @@ def plan_for(pool, forward_batch) -> LocalWrites:
             check_plan(plan, state, forward_batch)
         logger.debug("CP shared KV local writes: index=%s mla=%s rows=%d real=%d %s", plan.index, plan.mla,
                      plan.rows, plan.real_rows, plan.reason)
-    pool.context.write_paths[("local" if plan.index else "gathered", "local" if plan.mla else "gathered")] += 1
+    pool.context.count_write_path("local" if plan.index else "gathered", "local" if plan.mla else "gathered")
     pool.local_writes = (cp_metadata, plan)
     return plan
