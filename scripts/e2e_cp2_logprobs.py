@@ -53,8 +53,10 @@ from pathlib import Path
 
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
+    WRITE_PATHS_METRIC,
     e2e_env,
     post,
+    prometheus_samples,
     require_stable_topk,
     start_server,
     startup_figures,
@@ -106,7 +108,8 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
     if args.stable_topk:
         env["CPSKV_E2E_STABLE_TOPK"] = "1"
     if flag_on:
-        cmd.append("--enable-nsa-prefill-cp-shared-kv")
+        # --enable-metrics: the run reports how its chunks reached the shards (WRITE_PATHS_METRIC)
+        cmd += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
     if corrupt_rank is not None:
         env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
@@ -187,6 +190,8 @@ def main():
                 if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
                     post(args.port, "/flush_cache")
                 run["logprobs"][prompt] = logprobs(args.port, ids, start)
+            if flag_on:
+                run["write_paths"] = prometheus_samples(args.port, WRITE_PATHS_METRIC)
         finally:
             stop(proc)
         run["startup"] = startup_figures(log_path.read_text())
@@ -198,7 +203,10 @@ def main():
     report = {"kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "stable_topk": args.stable_topk,
               "index_topk": INDEX_TOPK, "runs": sorted(runs),
               "timings": {name: {"boot_s": run["boot_s"]} for name, run in runs.items()},
-              "startup": {name: run["startup"] for name, run in runs.items()}, "prompts": {}}
+              "startup": {name: run["startup"] for name, run in runs.items()},
+              # prefill forwards by write path, summed over the CP ranks (flag-on runs)
+              "write_paths": {name: run["write_paths"] for name, run in runs.items() if "write_paths" in run},
+              "prompts": {}}
     complete = set(runs) == set(layout_runs)
     ok = complete
     for prompt in requests:

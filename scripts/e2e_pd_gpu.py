@@ -56,8 +56,10 @@ from pathlib import Path
 
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
+    WRITE_PATHS_METRIC,
     e2e_env,
     post,
+    prometheus_samples,
     require_stable_topk,
     start_server,
     startup_figures,
@@ -121,8 +123,8 @@ def server_commands(args, flag_on, pool, ports):
     else:  # both on GPU 0: what the prefill leaves
         prefill += ["--tp", "1", "--mem-fraction-static", "0.3"]
         decode += ["--tp", "1", "--mem-fraction-static", "0.3"]
-    if flag_on:
-        prefill.append("--enable-nsa-prefill-cp-shared-kv")
+    if flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
+        prefill += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
     return prefill, decode
 
 
@@ -228,6 +230,8 @@ def run_servers(name, args, work, room_base):
             run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
             print(f"[e2e-pd] {name} {prompt}: decode {run['prompts'][prompt]['decode']['status']} "
                   f"in {run['prompts'][prompt]['decode']['elapsed_s']} s", flush=True)
+        if flag_on:
+            run["write_paths"] = prometheus_samples(ports["prefill"], WRITE_PATHS_METRIC)
     finally:
         for proc in reversed(procs):
             stop(proc)

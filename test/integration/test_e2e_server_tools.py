@@ -22,6 +22,13 @@ class H(BaseHTTPRequestHandler):
         self.send_response(200); self.send_header("Content-Type", ctype); self.end_headers()
         self.wfile.write(body)
     def do_GET(self):
+        if self.path == "/metrics":  # two scheduler processes' samples, Prometheus text format
+            self._send(b'# HELP sglang:cp_shared_kv_prefill_forwards_total ...\n'
+                       b'sglang:cp_shared_kv_prefill_forwards_total{cp_rank="0",index="local",mla="local"} 3.0\n'
+                       b'sglang:cp_shared_kv_prefill_forwards_total{cp_rank="1",index="local",mla="local"} 3.0\n'
+                       b'sglang:cp_shared_kv_prefill_forwards_total{cp_rank="0",index="gathered",mla="gathered"} 1.0\n'
+                       b'sglang:other_total{cp_rank="0"} 7.0\n', "text/plain")
+            return
         self._send(b"" if self.path == "/health" else b"plain text answer", "text/plain")
     def do_POST(self):
         n = int(self.headers["Content-Length"]); body = json.loads(self.rfile.read(n))
@@ -45,6 +52,16 @@ def test_start_post_stop(tmp_path):
     finally:
         server.stop(proc)
     assert proc.poll() is not None
+
+
+def test_prometheus_samples_of_one_metric(tmp_path):
+    proc, port = _start(tmp_path, "0")
+    try:
+        samples = server.prometheus_samples(port, server.WRITE_PATHS_METRIC)
+    finally:
+        server.stop(proc)
+    assert samples == {'{cp_rank="0",index="local",mla="local"}': 3.0, '{cp_rank="1",index="local",mla="local"}': 3.0,
+                       '{cp_rank="0",index="gathered",mla="gathered"}': 1.0}
 
 
 def test_a_server_that_exits_or_never_gets_healthy_is_reported(tmp_path):

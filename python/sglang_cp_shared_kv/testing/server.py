@@ -69,6 +69,23 @@ def post(port: int, path: str, body=None, timeout: float = 600):
         return text.decode(errors="replace")
 
 
+#: the plugin's count of prefill forwards by how their chunk reached the shards
+WRITE_PATHS_METRIC = "sglang:cp_shared_kv_prefill_forwards_total"
+
+
+def prometheus_samples(port: int, name: str) -> Dict[str, float]:
+    """The samples of metric ``name`` on the server's ``/metrics`` (a server started with
+    ``--enable-metrics``): ``{'{label="value",...}': value}``; empty when it has none."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as resp:
+        text = resp.read().decode(errors="replace")
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name):].rsplit(" ", 1)
+            samples[labels] = samples.get(labels, 0.0) + float(value)  # one line per process of a server
+    return samples
+
+
 def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_path: Path,
                  boot_timeout: float) -> subprocess.Popen:
     """Start ``cmd`` (logging to ``log_path``) and wait until ``/health`` on ``port``
