@@ -27,6 +27,7 @@ from sglang_cp_shared_kv.config import FLAG, PREFETCH_ENV, is_enabled, prefetch_
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
 from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
+from sglang_cp_shared_kv.page_split import page_by_page_chunk_unit
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
 from sglang_cp_shared_kv.server_args import validate
 
@@ -116,11 +117,22 @@ def log_capacity(result, runner, *args, **kwargs):
     )
     context.split = split
     cap = runner.server_args.max_total_tokens
+    chunk, unit = runner.server_args.chunked_prefill_size, page_by_page_chunk_unit(layout.cp_size, layout.page_size)
     logger.info(
         "CP shared KV: physical_tokens_per_rank=%d logical_tokens=%d cp_size=%d cp_rank=%d "
-        "shard_policy=%s kv_gb_per_rank=%.2f (same as without the flag) max_running_requests=%d%s",
+        "shard_policy=%s kv_gb_per_rank=%.2f (same as without the flag) max_running_requests=%d%s "
+        "chunked_prefill_size=%s%s",
         split.physical_tokens_per_rank, split.logical_tokens, split.cp_size, split.cp_rank,
         SHARD_POLICY, split.kv_gb_per_rank, split.max_running_requests,
-        f" (--max-total-tokens {cap} capped the per-rank physical pool)" if cap else "",
+        f" (--max-total-tokens {cap} capped the per-rank physical pool)" if cap else "", chunk,
+        f" (full chunks are stored where they are computed: a multiple of {unit})"
+        if chunk and chunk > 0 and chunk % unit == 0 else "",
     )
+    if chunk and chunk > 0 and chunk % unit and layout.cp_rank == 0:
+        logger.warning(
+            "CP shared KV: --chunked-prefill-size %d is not a multiple of 2 x CP size x page size = %d, so "
+            "SGLang cuts every chunk mid-page and every chunk keeps its per-layer all-gather of the chunk's "
+            "KV (correct, but more bytes and N-fold stores per layer); with --chunked-prefill-size %d the "
+            "full chunks are stored where they are computed (docs/user-guide.md, 'Where each chunk's KV "
+            "is written')", chunk, unit, max(unit, chunk // unit * unit))
     return result

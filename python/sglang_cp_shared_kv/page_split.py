@@ -98,6 +98,12 @@ def page_aligned_split(prefix_len: int, seq_len: int, page_size: int, cp_size: i
 
 
 # ------------------------------------------------------ SGLang's token-balanced split
+def page_by_page_chunk_unit(cp_size: int, page_size: int) -> int:
+    """Chunk lengths SGLang's token-balanced split cuts page by page (from a page boundary):
+    the multiples of 2N pages (2 x 4 x 64 = 512 tokens at CP4)."""
+    return 2 * cp_size * page_size
+
+
 def segment_row_ranges(split_list: Sequence[int]) -> List[Tuple[int, int]]:
     """[start, end) chunk rows of each segment of SGLang's in-seq split ``split_list`` (the
     2N segment lengths of ``ContextParallelMetadata.split_list``, in sequence order)."""

@@ -77,6 +77,22 @@ def test_init_memory_pool_builds_shared_pool(tiny_nsa_model, caplog):
         assert field in line
     assert capacity.context_of(shared).split.logical_tokens == 4 * physical
     assert capacity.context_of(stock) is None
+    chunk = shared.server_args.chunked_prefill_size
+    assert f"chunked_prefill_size={chunk} (full chunks are stored where they are computed: a multiple of 512)" in line
+
+
+def test_a_chunk_size_that_defeats_local_writes_is_named_at_startup(tiny_nsa_model, caplog):
+    """--chunked-prefill-size not a multiple of 2N x 64: SGLang cuts every chunk mid-page, so no
+    chunk is stored where it was computed; CP rank 0 says so once, naming a size that works."""
+    for rank in (0, 1):
+        shared = runner(tiny_nsa_model, rank=rank, chunked_prefill_size=6000)
+        with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.capacity"):
+            shared.init_memory_pool(0)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "sglang_cp_shared_kv.capacity"]
+    assert len(warnings) == 1, warnings
+    assert "--chunked-prefill-size 6000 is not a multiple of 2 x CP size x page size = 512" in warnings[0]
+    assert "with --chunked-prefill-size 5632 the full chunks are stored where they are computed" in warnings[0]
 
 
 def test_flag_off_builds_stock_pool(tiny_nsa_model):
