@@ -234,6 +234,11 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse("--enable-return-indexer-topk",
                "its capture buffer is sized by the (N times larger) logical token capacity; not "
                "supported with shared KV yet. Remove the option.")
+    if server_args.enable_two_batch_overlap:
+        refuse("--enable-two-batch-overlap",
+               "it splits a prefill forward into two micro-batches, each with its own attention "
+               "metadata, while shared KV builds one dense view per forward; not supported with "
+               "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
     if server_args.prefill_only_disable_kv_cache:
         refuse("--prefill-only-disable-kv-cache",
                "shared KV needs the paged KV cache; remove --prefill-only-disable-kv-cache.")

@@ -41,6 +41,8 @@ REFUSALS = {
     "fp8_flashmla_auto_chosen": ({"kv_cache_dtype": "fp8_e4m3", "nsa_prefill_backend": "flashmla_auto"}, {}, {},
                                  "--nsa-prefill-backend flashmla_auto with --kv-cache-dtype fp8_e4m3",
                                  "flashmla_auto picks flashmla_kv for fp8 KV on Hopper"),
+    "two_batch_overlap": ({}, {"enable_two_batch_overlap": True}, {}, "--enable-two-batch-overlap",
+                          "Remove --enable-two-batch-overlap from the prefill server"),
     "prefill_only_no_kv_cache": ({}, {"prefill_only_disable_kv_cache": True}, {},
                                  "--prefill-only-disable-kv-cache", "remove --prefill-only-disable-kv-cache"),
 }
