@@ -16,6 +16,8 @@
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
 #   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
+#   SELFCHECK="--cp-size 2 ..." runs `python -m sglang_cp_shared_kv selfcheck --device cuda --json` with
+#   those arguments (the ranks share the GPUs present; JSON to $out/selfcheck_cuda.json);
 #   MATERIALIZE="--nprocs 2 ..." runs scripts/bench_materialize.py --collective over NCCL, one
 #   process per GPU (history gathers vs a plain all-gather; chunk gathers, SGLang's vs local
 #   writes; JSON to $out/bench_materialize_nccl.json).
@@ -74,6 +76,12 @@ if [ -n "${PD:-}" ]; then
     > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
   tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
   grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
+fi
+if [ -n "${SELFCHECK:-}" ]; then
+  python3 -m sglang_cp_shared_kv selfcheck --device cuda --json $SELFCHECK > "$out/selfcheck_cuda.json" \
+    2> "$out/selfcheck_cuda.err" || status=1
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('selfcheck', d['verdict'], d['write_paths'])" \
+    "$out/selfcheck_cuda.json" || tail -5 "$out/selfcheck_cuda.err"
 fi
 if [ -n "${MATERIALIZE:-}" ]; then
   python3 scripts/bench_materialize.py --collective $MATERIALIZE > "$out/bench_materialize_nccl.json" \

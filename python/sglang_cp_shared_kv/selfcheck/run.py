@@ -1,7 +1,8 @@
 """Run the selfcheck: start the processes, show progress, collect, decide.
 
 N rank processes and one decode process start from a forkserver that has imported SGLang
-once (so N = 8 still starts in seconds on a small machine). Progress comes back on a queue:
+once (so N = 8 still starts in seconds on a small machine); with ``--device cuda`` they are
+spawned instead (a process forked after CUDA was initialised cannot use it). Progress comes back on a queue:
 one bar per phase (ranks ready, prefill forwards, shards sent, decode received). The run
 has one deadline; a process that dies or outlives it fails the run instead of hanging it.
 """
@@ -76,8 +77,13 @@ def run_selfcheck(options: SelfcheckOptions, *, quiet: bool = False, workdir: Op
     os.environ.update(BASE_ENV)  # what a PD deployment with the flag sets (the processes inherit it)
     workdir = Path(workdir or tempfile.mkdtemp(prefix="cp-shared-kv-selfcheck-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    if options.device == "cuda":
+        # NOTE: importing SGLang on a GPU machine initialises CUDA, and a process forked from
+        # one that did cannot use CUDA: with GPUs every process starts fresh (a few s each)
+        ctx = multiprocessing.get_context("spawn")
+    else:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
     events = ctx.Queue()
     port, bootstrap_port = free_port(), free_port()
     procs = [ctx.Process(target=processes.rank_main, args=(r, options, str(workdir), port, bootstrap_port, events),
