@@ -118,6 +118,7 @@ def log_capacity(result, runner, *args, **kwargs):
     context.split = split
     cap = runner.server_args.max_total_tokens
     chunk, unit = runner.server_args.chunked_prefill_size, page_by_page_chunk_unit(layout.cp_size, layout.page_size)
+    chunked = chunk is not None and chunk > 0  # SGLang's -1 / None: chunked prefill off
     logger.info(
         "CP shared KV: physical_tokens_per_rank=%d logical_tokens=%d cp_size=%d cp_rank=%d "
         "shard_policy=%s kv_gb_per_rank=%.2f (same as without the flag) max_running_requests=%d%s "
@@ -126,9 +127,9 @@ def log_capacity(result, runner, *args, **kwargs):
         SHARD_POLICY, split.kv_gb_per_rank, split.max_running_requests,
         f" (--max-total-tokens {cap} capped the per-rank physical pool)" if cap else "", chunk,
         f" (full chunks are stored where they are computed: a multiple of {unit})"
-        if chunk and chunk > 0 and chunk % unit == 0 else "",
+        if chunked and chunk % unit == 0 else "",
     )
-    if chunk and chunk > 0 and chunk % unit and layout.cp_rank == 0:
+    if chunked and chunk % unit and layout.cp_rank == 0:
         logger.warning(
             "CP shared KV: --chunked-prefill-size %d is not a multiple of 2 x CP size x page size = %d, so "
             "SGLang cuts every chunk mid-page and every chunk keeps its per-layer all-gather of the chunk's "

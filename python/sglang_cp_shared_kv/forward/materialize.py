@@ -76,6 +76,24 @@ def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tu
     return (end - start - packed.shape[0]) * packed.shape[1] * 8, work
 
 
+def gather_history(state: CpSharedBatchState, dense_words: torch.Tensor, shard_words: torch.Tensor,
+                   group=None, *, async_op: bool = False):
+    """:func:`gather_region` of the batch's history region (over ``group``, default the
+    compute group): every rank's owned history pages, packed or straight from its run."""
+    m = state.page_map
+    return gather_region(state.kernels, dense_words, m.history_region, shard_words, m.history_send,
+                         state.group if group is None else group, async_op=async_op, timer=state.timer,
+                         run=m.history_run)
+
+
+def gather_current(state: CpSharedBatchState, dense_words: torch.Tensor, shard_words: torch.Tensor) -> int:
+    """:func:`gather_region` of the batch's current region on the compute group (its chunk
+    rows are in the shards already); the bytes this rank receives."""
+    m = state.page_map
+    return gather_region(state.kernels, dense_words, m.current_region, shard_words, m.current_send, state.group,
+                         timer=state.timer, run=m.current_run, stage=CURRENT_STAGE)[0]
+
+
 def new_dense_view(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.Tensor:
     """An uninitialised dense view of ``num_rows`` rows shaped like ``like``; only the dummy
     page (the first ``page_rows`` rows) is zeroed."""
@@ -114,12 +132,9 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     shard = pool.physical_index_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages, 1)
     dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard.shape[0])
-    received, _ = gather_region(state.kernels, dense_words, page_map.history_region, shard_words,
-                                page_map.history_send, state.group, timer=state.timer, run=page_map.history_run)
+    received, _ = gather_history(state, dense_words, shard_words)
     if store_chunk_into is None:
-        received += gather_region(state.kernels, dense_words, page_map.current_region, shard_words,
-                                  page_map.current_send, state.group, timer=state.timer,
-                                  run=page_map.current_run, stage=CURRENT_STAGE)[0]
+        received += gather_current(state, dense_words, shard_words)
     else:
         store_chunk_into(dense)
         with marked("owner_write", state.timer):
@@ -159,10 +174,8 @@ def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *,
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_kv_buffer(layer_id)
     dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
-    received, work = gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
-                                   page_map.history_region, page_words(shard, shard.shape[0] // page_size),
-                                   page_map.history_send, group, async_op=async_op, timer=state.timer,
-                                   run=page_map.history_run)
+    received, work = gather_history(state, page_words(dense, page_map.num_dense_pages),
+                                    page_words(shard, shard.shape[0] // page_size), group, async_op=async_op)
     return MlaHistory(layer_id, dense, received, work, state.timer)
 
 
@@ -178,10 +191,8 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     dense, received = history.dense, history.received
     shard = pool.physical_kv_buffer(layer.layer_id)
     if chunk is None:
-        received += gather_region(state.kernels, page_words(dense, page_map.num_dense_pages),
-                                  page_map.current_region, page_words(shard, shard.shape[0] // page_size),
-                                  page_map.current_send, state.group, timer=state.timer,
-                                  run=page_map.current_run, stage=CURRENT_STAGE)[0]
+        received += gather_current(state, page_words(dense, page_map.num_dense_pages),
+                                   page_words(shard, shard.shape[0] // page_size))
     else:
         with marked("materialize:chunk", state.timer):
             store_mla_rows_into(pool, dense, layer, state.dense_out_locs, *chunk)

@@ -13,6 +13,7 @@ from typing import Callable, Dict, List
 import numpy as np
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.page_split import page_by_page_chunk_unit
 from sglang_cp_shared_kv.testing.cp_rig import Request, Rig
 
 
@@ -55,7 +56,7 @@ def aligned_chunked_prefill(rig: Rig):
     fp8 KV the first chunk (no prefix) keeps SGLang's latent gather -- then a chunk one row
     short (SGLang's padding row closes rank 0's rows, the last page partial), then a
     prompt's last, shorter chunk (phase 3)."""
-    unit = 2 * rig.n * PAGE
+    unit = page_by_page_chunk_unit(rig.n, PAGE)
     req = rig.new_request()
     rig.extend(req, unit)
     rig.extend(req, unit)
@@ -66,7 +67,7 @@ def aligned_chunked_prefill(rig: Rig):
 def aligned_radix_hit(rig: Rig):
     """A radix-cache prefix of whole pages, then a page-aligned chunk: local writes after a
     prefix whose pages have interleaved and compute-owner owners alike."""
-    unit = 2 * rig.n * PAGE
+    unit = page_by_page_chunk_unit(rig.n, PAGE)
     donor = rig.new_request()
     rig.extend(donor, 3 * PAGE)  # interleaved pages (fewer than 2N... or not: both are history)
     rig.extend(donor, unit)
@@ -140,7 +141,7 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
             req = rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
         else:
             req = rig.new_request()
-        long_request, unit = rng.random() < 0.25, 2 * rig.n * PAGE
+        long_request, unit = rng.random() < 0.25, page_by_page_chunk_unit(rig.n, PAGE)
         if long_request and rng.random() < 0.5:  # chunks SGLang cuts page by page: local writes
             units = int(rng.integers(1, 3))
             total = units * unit - int(rng.integers(0, 2))  # one row short: SGLang's padding row
