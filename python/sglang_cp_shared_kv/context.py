@@ -17,6 +17,7 @@ from typing import Optional
 from sglang_cp_shared_kv.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
 from sglang_cp_shared_kv.stage_timer import StageTimer
 
 
@@ -68,19 +69,10 @@ class CpSharedKVContext:
             _forwards_counter().labels(cp_rank=str(self.layout.cp_rank), index=index, mla=mla).inc()
 
 
-# NOTE: prometheus_client's registry is process-wide and refuses a second counter of one
-# name, so the counter object is kept per process (it holds no per-runner state).
-_FORWARDS_COUNTER: list = []
-
-
 def _forwards_counter():
-    if not _FORWARDS_COUNTER:
-        from prometheus_client import Counter as PrometheusCounter
-
-        _FORWARDS_COUNTER.append(PrometheusCounter(
-            "sglang:cp_shared_kv_prefill_forwards_total",
-            "Prefill forwards of a CP rank under shared KV, by how the chunk's index keys and MLA "
-            "latent reached the shards: local (stored by the rank that computed them, SGLang's "
-            "all-gather left out) or gathered (SGLang's all-gather, then the owned rows copied out).",
-            labelnames=("cp_rank", "index", "mla")))
-    return _FORWARDS_COUNTER[0]
+    return prometheus_metric(
+        "counter", "sglang:cp_shared_kv_prefill_forwards_total",
+        "Prefill forwards of a CP rank under shared KV, by how the chunk's index keys and MLA "
+        "latent reached the shards: local (stored by the rank that computed them, SGLang's "
+        "all-gather left out) or gathered (SGLang's all-gather, then the owned rows copied out).",
+        ("cp_rank", "index", "mla"))

@@ -10,7 +10,9 @@ labels as SGLang's gauges:
 * ``sglang:cp_shared_kv_kv_gb_per_rank`` - the per-rank KV buffers in GB (2**30 B).
 
 Counters kept where they are counted: the PD transfer's (``transfer/stats.py``) and the
-prefill forwards by write path (``context.CpSharedKVContext.count_write_path``).
+prefill forwards by write path (``context.CpSharedKVContext.count_write_path``). Every
+gauge and counter comes from :mod:`sglang_cp_shared_kv.prometheus_registry` (one object per
+name and process).
 
 The figures come from the scheduler's own model runner (its pool's context), not from
 any process-wide record. NOTE: SGLang emits its constants at the end of
@@ -23,40 +25,26 @@ metrics collector in place: our gauges are set AFTER that call.
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 from sglang_cp_shared_kv.capacity import context_of
 from sglang_cp_shared_kv.context import CapacitySplit
+from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
 
 _GAUGES = (
     ("physical_tokens_per_rank", "KV tokens one CP rank physically stores (shared KV)."),
     ("cp_size", "CP ranks the logical KV capacity is sharded over (shared KV)."),
     ("kv_gb_per_rank", "KV cache buffers per CP rank in GB (shared KV)."),
 )
-# NOTE: prometheus_client's registry is process-wide and refuses a second gauge of one
-# name, so the gauge objects are kept per process too (they hold no per-runner values).
-_gauges: Dict[Tuple[str, Tuple[str, ...]], object] = {}
-
-
-def _gauge(field: str, doc: str, labelnames: Tuple[str, ...]):
-    from prometheus_client import Gauge
-
-    key = (field, labelnames)
-    if key not in _gauges:
-        _gauges[key] = Gauge(
-            name=f"sglang:cp_shared_kv_{field}",
-            documentation=doc,
-            labelnames=labelnames,
-            multiprocess_mode="mostrecent",
-        )
-    return _gauges[key]
 
 
 def emit_capacity(collector, split: CapacitySplit) -> None:
     """Set our gauges, labelled as ``collector`` (SGLang's ``SchedulerMetricsCollector``)."""
     labels = dict(collector.labels)
     for field, doc in _GAUGES:
-        _gauge(field, doc, tuple(labels)).labels(**labels).set(getattr(split, field))
+        gauge = prometheus_metric("gauge", f"sglang:cp_shared_kv_{field}", doc, tuple(labels),
+                                  multiprocess_mode="mostrecent")
+        gauge.labels(**labels).set(getattr(split, field))
 
 
 def scheduler_split(scheduler) -> Optional[CapacitySplit]:

@@ -15,6 +15,8 @@ import collections
 import threading
 from typing import Any, Dict
 
+from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
+
 
 class TransferStats:
     """What one prefill rank sent, cumulative; ``recent_chunks`` keeps the last chunks."""
@@ -48,31 +50,22 @@ class TransferStats:
         return out
 
 
-# Prometheus refuses a second registration of a name: one set per process.
-_prometheus: Dict[str, Any] = {}
-_prometheus_lock = threading.Lock()
+_COUNTERS = {
+    "pages": ("sglang:cp_shared_kv_transfer_pages_total",
+              "Pages a prefill CP rank sent to decode under shared KV (kind: kv | state)."),
+    "descriptors": ("sglang:cp_shared_kv_transfer_descriptors_total",
+                    "Mooncake transfer descriptors (contiguous runs x layers) a prefill CP rank "
+                    "issued under shared KV (kind: kv | state)."),
+    "failures": ("sglang:cp_shared_kv_transfer_failures_total",
+                 "Requests a prefill CP rank failed under shared KV "
+                 "(kind: kv | state | aux | rejected | aborted)."),
+}
 
 
 def prometheus_counters() -> Dict[str, Any]:
     """The process's transfer counters (``pages``, ``descriptors``, ``failures``)."""
-    with _prometheus_lock:
-        if not _prometheus:
-            from prometheus_client import Counter
-
-            _prometheus["pages"] = Counter(
-                "sglang:cp_shared_kv_transfer_pages_total",
-                "Pages a prefill CP rank sent to decode under shared KV (kind: kv | state).",
-                labelnames=("cp_rank", "kind"))
-            _prometheus["descriptors"] = Counter(
-                "sglang:cp_shared_kv_transfer_descriptors_total",
-                "Mooncake transfer descriptors (contiguous runs x layers) a prefill CP rank "
-                "issued under shared KV (kind: kv | state).",
-                labelnames=("cp_rank", "kind"))
-            _prometheus["failures"] = Counter(
-                "sglang:cp_shared_kv_transfer_failures_total",
-                "Requests a prefill CP rank failed under shared KV (kind: kv | state | aux | rejected | aborted).",
-                labelnames=("cp_rank", "kind"))
-        return _prometheus
+    return {metric: prometheus_metric("counter", name, doc, ("cp_rank", "kind"))
+            for metric, (name, doc) in _COUNTERS.items()}
 
 
 class RankCounters:
