@@ -24,11 +24,21 @@ into it: ``gather_region``) two ways -- ``ours``: the pages consecutive in the r
 as compute-owner pages of one request usually are, sent straight from the shard;
 ``packed``: the same pages packed by the kernel first, as pages reused out of order are --
 the pack alone, and a plain ``all_gather_into_tensor`` of the same bytes from a contiguous
-buffer into a preallocated one, interleaved rep by rep in one run. A rep's time is the slowest rank's; the figure is
-the median over reps. Bus bandwidth follows NCCL's convention for all-gather:
+buffer into a preallocated one, interleaved rep by rep in one run; and ``pull``: the copy-engine
+alternative phase 8 asks about -- every rank's shard mapped into every process (CUDA: torch
+symmetric memory, i.e. CUDA IPC; CPU: shared-memory files), each rank copying every rank's run
+of pages straight into its dense view with one contiguous ``copy_`` per rank (on CUDA a
+``cudaMemcpyAsync`` over NVLink, done by the copy engines, no kernel on the SMs; history
+pages are complete before the forward, so no per-layer signal is needed). A rep's time is
+the slowest rank's; the figure is the median over reps. Bus bandwidth follows NCCL's convention for all-gather:
 ``bytes out / time x (N - 1) / N``. The per-layer shapes of GLM-5 and DeepSeek-V3.2 are
 the same (512 + 64 latent, 128-wide index), so one table serves both; per-forward figures
 multiply by their layer counts (78 and 61).
+
+On CUDA, ``overlap_rows``: what a history gather on a side stream (the prefetch) costs the
+compute beside it -- a bf16 GEMM of DeepSeek-V3.2's size (8,192 x 7,168 x 4,096, repeated)
+timed alone and with the NCCL gather (``ours``) or the copy-engine ``pull`` running at the
+same time on another stream: NCCL's kernels occupy SMs, the copy engines do not.
 
 The current chunk (``--chunk-sizes``, default 8,192 tokens), per layer, two ways in the same
 run, interleaved: SGLang's two in-seq all-gathers of the chunk's bf16 KV (the latent, 576
@@ -47,8 +57,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 from sglang_cp_shared_kv.kv_geometry import NsaModelShape, index_row_bytes, mla_row_bytes
@@ -238,6 +250,106 @@ def _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps):
     return rows
 
 
+def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
+    """Every rank's ``shard`` (the same shape on every rank) readable from this process, as a
+    list indexed by rank, and a cleanup to call on every rank: on CUDA torch's symmetric
+    memory (each rank's copy of its shard, mapped into every process over CUDA IPC); on CPU,
+    shared files stand in. None where the mapping is not available (reported, not fatal)."""
+    import torch
+    import torch.distributed as dist
+
+    if shard.device.type == "cuda":
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group_name = dist.group.WORLD.group_name
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):  # NOTE: required before torch 2.9
+                symm_mem.enable_symm_mem_for_group(group_name)
+            mine = symm_mem.empty(tuple(shard.shape), dtype=shard.dtype, device=shard.device)
+            mine.copy_(shard)
+            handle = symm_mem.rendezvous(mine, dist.group.WORLD)
+            peers = [mine if p == rank else handle.get_buffer(p, tuple(shard.shape), shard.dtype)
+                     for p in range(nprocs)]
+            torch.cuda.synchronize(shard.device)
+            dist.barrier()
+            return peers, lambda: dist.barrier()
+        except Exception as exc:  # noqa: BLE001 - a machine without IPC or symmetric memory
+            if rank == 0:
+                print(f"bench_materialize: no copy-engine pull ({type(exc).__name__}: {exc})", file=sys.stderr)
+            dist.barrier()
+            return None, lambda: None
+    paths = [workdir / f"{tag}-rank{p}.bin" for p in range(nprocs)]
+    mine = torch.from_file(str(paths[rank]), shared=True, size=shard.numel(), dtype=shard.dtype)
+    mine.copy_(shard.reshape(-1))
+    dist.barrier()
+    peers = [torch.from_file(str(path), shared=True, size=shard.numel(), dtype=shard.dtype).view(shard.shape)
+             for path in paths]
+
+    def cleanup():
+        dist.barrier()
+        paths[rank].unlink()
+    return peers, cleanup
+
+
+#: the overlap GEMM (bf16): a DeepSeek-V3.2-sized projection of an 8K chunk, repeated
+OVERLAP_GEMM = (8192, 7168, 4096)
+OVERLAP_GEMMS = 8
+
+
+def _overlapped(gather, device, a, b) -> Tuple[float, float]:
+    """(seconds of OVERLAP_GEMMS GEMMs on the compute stream, seconds of ``gather`` on a side
+    stream started with them; 0 without one), after every rank has reached it."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    torch.cuda.synchronize(device)
+    main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    start, gemm_end, gather_end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    start.record(main)
+    if gather is not None:
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            gather()
+            gather_end.record(side)
+    for _ in range(OVERLAP_GEMMS):
+        torch.mm(a, b)
+    gemm_end.record(main)
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(gemm_end) / 1e3, (start.elapsed_time(gather_end) / 1e3 if gather else 0.0)
+
+
+def _overlap_samples(device, kind, reps, ours, pull) -> dict:
+    """On CUDA, for the bf16 latent: the GEMMs' time alone, beside the NCCL gather and beside
+    the copy-engine pull (medians of this rank; ``{}`` elsewhere). Every rank runs the same
+    sequence, so the collectives match."""
+    import torch
+
+    if device.type != "cuda" or kind != "mla_bf16":
+        return {}
+    m, k, n = OVERLAP_GEMM
+    a = torch.randn((m, k), dtype=torch.bfloat16, device=device)
+    b = torch.randn((k, n), dtype=torch.bfloat16, device=device)
+    variants = {"alone": None, "with_nccl": ours, "with_pull": pull}
+    variants = {name: fn for name, fn in variants.items() if name == "alone" or fn is not None}
+    for fn in variants.values():
+        _overlapped(fn, device, a, b)
+    samples = {name: [] for name in variants}
+    for _ in range(reps):
+        for name, fn in variants.items():
+            samples[name].append(_overlapped(fn, device, a, b))
+    out = {}
+    for name, pairs in samples.items():
+        gemm = sorted(g for g, _ in pairs)[reps // 2]
+        out[f"gemm_{name}_us"] = round(gemm * 1e6, 1)
+        if name != "alone":
+            out[f"gather_{name[5:]}_overlapped_us"] = round(sorted(t for _, t in pairs)[reps // 2] * 1e6, 1)
+    for name in variants:
+        if name != "alone":
+            out[f"gemm_slowdown_{name[5:]}"] = round(out[f"gemm_{name}_us"] / out["gemm_alone_us"], 3)
+    return out
+
+
 def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out_path):
     import torch
     import torch.distributed as dist
@@ -255,7 +367,7 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
                             device_id=device if device.type == "cuda" else None)
     group, kernels = dist.group.WORLD, KernelDispatch()
     layout = CpSharedKVLayout(PAGE, nprocs, rank)
-    rows = []
+    rows, overlap_rows = [], []
     for kind, row_bytes in COLLECTIVE_KINDS.items():
         for history in histories:
             pages = -(-history // PAGE)
@@ -283,15 +395,31 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
             def plain():
                 dist.all_gather_into_tensor(plain_out, contiguous, group=group)
 
+            # the copy-engine pull needs every rank's run (one copy per rank); exchanged once here,
+            # it is what each rank could compute from the layout for its peers
+            runs = [None] * nprocs
+            dist.all_gather_object(runs, page_map.history_run)
+            peers, release_peers = (None, lambda: None) if min(runs) < 0 else _peer_shards(
+                shard, rank, nprocs, Path(out_path).parent, f"{kind}-{history}")
+            count = send.numel()
+
+            def pull():
+                dense = new_dense_view(shard, page_map.num_dense_pages, 1)
+                view = page_words(dense, page_map.num_dense_pages)
+                for p, (peer, first) in enumerate(zip(peers, runs)):
+                    view[start + p * count: start + (p + 1) * count].copy_(peer[first: first + count])
+                return dense
+
             # correctness first: every page of the sequence lands where the plain all-gather of the
             # same pages puts it (the padding slots after a run hold other pages; nothing reads them)
             start, end = page_map.history_region
             dist.all_gather_into_tensor(plain_out, shard.index_select(0, send), group=group)
             placed = page_map.dense_page
-            for dense in (ours(), ours(run=-1)):
+            for dense in (ours(), ours(run=-1)) + ((pull(),) if peers else ()):
                 assert torch.equal(dense[placed], plain_out[placed - start]), \
                     "materialize != plain all-gather of the same pages"
-            paths = (("ours", ours), ("packed", packed), ("pack", pack), ("plain", plain))
+            paths = (("ours", ours), ("packed", packed), ("pack", pack), ("plain", plain)) + (
+                (("pull", pull),) if peers else ())
             for _, fn in paths:  # warm-up (allocator, NCCL channels, kernel JIT)
                 for _ in range(3):
                     _timed(fn, device)
@@ -299,6 +427,8 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
             for _ in range(reps):  # interleaved, so drift hits all of them alike
                 for name, fn in paths:
                     samples[name].append(_timed(fn, device))
+            overlap = _overlap_samples(device, kind, reps, ours, pull if peers else None)
+            release_peers()
             everyone = [None] * nprocs
             dist.all_gather_object(everyone, samples)
             if rank == 0:
@@ -320,9 +450,17 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
                     "per_forward_ms": {model: round(median["ours"] * layers * 1e3, 2)
                                        for model, layers in MODEL_LAYERS.items()},
                 })
+                if "pull" in median:
+                    rows[-1].update({
+                        "pull_us": round(median["pull"] * 1e6, 1),
+                        "pull_bus_gb_per_s": round(bus(median["pull"]), 1),
+                        "pull_over_plain_bandwidth": round(median["plain"] / median["pull"], 3),
+                    })
+                if overlap:
+                    overlap_rows.append(dict(overlap, kind=kind, history_tokens=history, cp_size=nprocs))
     chunk_rows = _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps)
     if rank == 0:
-        Path(out_path).write_text(json.dumps({"rows": rows, "chunk_rows": chunk_rows}))
+        Path(out_path).write_text(json.dumps({"rows": rows, "chunk_rows": chunk_rows, "overlap_rows": overlap_rows}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -340,7 +478,8 @@ def collective_bench(nprocs: int, backend: str, histories, reps: int, chunks=(81
     measured = json.loads(out.read_text())
     report = {"backend": backend, "cp_size": nprocs, "reps": reps, "statistic": "median over reps of the slowest rank",
               "page_size": PAGE, "model_layers": MODEL_LAYERS, "rows": measured["rows"],
-              "chunk_rows": measured["chunk_rows"]}
+              "chunk_rows": measured["chunk_rows"], "overlap_gemm_mnk": OVERLAP_GEMM, "overlap_gemms": OVERLAP_GEMMS,
+              "overlap_rows": measured["overlap_rows"]}
     if backend == "nccl":
         report["gpu"] = torch.cuda.get_device_name(0)
         report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

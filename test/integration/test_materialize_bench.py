@@ -1,6 +1,7 @@
 """scripts/bench_materialize.py --collective keeps running: on CPU processes over gloo
 (N = 2 and 3, tiny histories) it checks, per rank, that the plugin's materialize of the
-history equals a plain all-gather of the same pages, and reports both timings."""
+history (and the copy-engine pull's, from shared files) equals a plain all-gather of the
+same pages, and reports the timings."""
 
 import json
 import subprocess
@@ -31,6 +32,13 @@ def test_collective_bench_on_gloo(nprocs):
         assert row["ours_over_plain_bandwidth"] > 0 and row["packed_over_plain_bandwidth"] > 0
         assert row["sent_from_shard"]  # one request's fresh pages: consecutive in each rank's pool
         assert set(row["per_forward_ms"]) == {"glm-5", "deepseek-v3.2"}
+        # the copy-engine pull (shared files on CPU) placed every page as the all-gather does
+        # (asserted inside the bench); it runs when every rank's pages form a run
+        every_rank_owns_pages = pages >= nprocs
+        assert ("pull_us" in row) == every_rank_owns_pages
+        if every_rank_owns_pages:
+            assert row["pull_us"] > 0 and row["pull_over_plain_bandwidth"] > 0
+    assert report["overlap_rows"] == []  # the GEMM overlap is measured on CUDA only
     # the current chunk: SGLang's bf16 gathers against the local-writes page gathers
     assert {(r["chunk_tokens"], r["kv_cache_dtype"]) for r in report["chunk_rows"]} == {
         (512, "bf16"), (512, "fp8_e4m3")}
