@@ -13,6 +13,14 @@ their own --port and --nccl-port). After one warm-up request per length and serv
 length is sent --runs times to every server, the server order rotating every round; TTFT
 is the wall time of a max_new_tokens=1 request (fresh random prompt each time, the same
 prompt for every server in a round). Overhead % = median(server) / median(off) - 1.
+Beside each TTFT, from inside the server: SGLang's own device timer of the forward passes
+(``--enable-metrics`` with ``SGLANG_ENABLE_METRICS_DEVICE_TIMER=1`` on every server; the
+slowest TP rank's ``sglang:forward_execution_seconds_total{category="extend"}``), read
+before the request and after a 64-token request that follows it (a forward's time is
+reported when the next forward ends), less that server's median 64-token forward: the
+GPU time of the prompt's chunked-prefill forwards, free of HTTP and scheduler noise, with
+its own medians and overhead %. The flag-on servers also report their write-path counts
+(``sglang:cp_shared_kv_prefill_forwards_total``: chunks stored where they were computed).
 
 Phase 2 (stage times): on and on_prefetch restarted with SGLANG_CP_SHARED_KV_NVTX=1 and
 SGLANG_CP_SHARED_KV_TIMING_DIR; per length one request between two 64-token requests
@@ -35,9 +43,21 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from sglang_cp_shared_kv.testing.server import e2e_env, post, start_server, stop, write_model
+from sglang_cp_shared_kv.testing.server import (
+    WRITE_PATHS_METRIC,
+    e2e_env,
+    post,
+    prometheus_samples,
+    start_server,
+    stop,
+    write_model,
+)
 
 CHUNK = 8192
+#: SGLang's device-timed forward seconds (with SGLANG_ENABLE_METRICS_DEVICE_TIMER=1)
+FORWARD_SECONDS_METRIC = "sglang:forward_execution_seconds_total"
+#: the short request after each prompt: its forward reports the prompt's last one
+FLUSH_TOKENS = 64
 VARIANTS = {  # name: (flag on, prefetch)
     "off": (False, False), "on": (True, False), "on_prefetch": (True, True),
 }
@@ -99,6 +119,12 @@ def stage_delta(before: dict, after: dict, layers: int) -> dict:
     return out
 
 
+def extend_seconds(samples: Dict[str, float]) -> float:
+    """The slowest TP rank's device-timed extend (prefill) seconds so far, from the samples
+    of ``FORWARD_SECONDS_METRIC`` (one per label set: tp_rank, category, ...)."""
+    return max((v for labels, v in samples.items() if 'category="extend"' in labels), default=0.0)
+
+
 def prompt(seed: int, length: int, vocab: int) -> List[int]:
     import numpy as np
 
@@ -117,9 +143,11 @@ def launch(name: str, variant: str, model: Path, args, index: int, work: Path, t
            "--port", str(port), "--nccl-port", str(nccl_port), "--kv-cache-dtype", args.kv_cache_dtype,
            "--chunked-prefill-size", str(CHUNK), "--sampling-backend", "pytorch",
            "--skip-server-warmup", "--disable-overlap-schedule",
-           "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+           "--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse",
+           "--enable-metrics"]
     env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
-                   "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"})
+                   "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
+                   "SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"})
     if flag_on:
         cmd.append("--enable-nsa-prefill-cp-shared-kv")
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
@@ -137,6 +165,21 @@ def generate(port: int, ids: List[int]) -> float:
     return time.perf_counter() - t0
 
 
+def forward_seconds(port: int) -> float:
+    return extend_seconds(prometheus_samples(port, FORWARD_SECONDS_METRIC))
+
+
+def flush_forward_s(port: int, vocab: int, pairs: int = 5) -> float:
+    """The median device time of one FLUSH_TOKENS-token forward on this server."""
+    samples = []
+    for i in range(pairs):
+        generate(port, prompt(40_000 + i, FLUSH_TOKENS, vocab))
+        before = forward_seconds(port)
+        generate(port, prompt(50_000 + i, FLUSH_TOKENS, vocab))
+        samples.append(forward_seconds(port) - before)  # the first of the two short forwards
+    return statistics.median(samples)
+
+
 def measure_ttft(args, model: Path, work: Path) -> dict:
     servers = {}
     try:
@@ -146,14 +189,26 @@ def measure_ttft(args, model: Path, work: Path) -> dict:
         for length in args.lengths:  # warm-up: JIT and allocator for each shape
             for variant, (_, port) in servers.items():
                 generate(port, prompt(10_000 + length, length, vocab))
+        flush = {variant: flush_forward_s(port, vocab) for variant, (_, port) in servers.items()}
         ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in VARIANTS}
+        forward: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in VARIANTS}
         for rnd, length, variant in schedule(args.lengths, args.runs, list(VARIANTS)):
-            ttft[variant][length].append(generate(servers[variant][1], prompt(rnd * 1000 + length, length, vocab)))
-            print(f"round {rnd} {length:>7} {variant:<12} {ttft[variant][length][-1]:.4f} s", file=sys.stderr)
+            port = servers[variant][1]
+            before = forward_seconds(port)
+            ttft[variant][length].append(generate(port, prompt(rnd * 1000 + length, length, vocab)))
+            generate(port, prompt(rnd, FLUSH_TOKENS, vocab))
+            forward[variant][length].append(forward_seconds(port) - before - flush[variant])
+            print(f"round {rnd} {length:>7} {variant:<12} TTFT {ttft[variant][length][-1]:.4f} s, "
+                  f"forwards {forward[variant][length][-1]:.4f} s", file=sys.stderr)
+        write_paths = {variant: prometheus_samples(port, WRITE_PATHS_METRIC)
+                       for variant, (_, port) in servers.items() if VARIANTS[variant][0]}
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    return {"raw_s": {v: {str(n): t for n, t in by.items()} for v, by in ttft.items()}, "summary": summarize(ttft)}
+    raw = lambda by_variant: {v: {str(n): t for n, t in by.items()} for v, by in by_variant.items()}  # noqa: E731
+    return {"raw_s": raw(ttft), "summary": summarize(ttft),
+            "forward_raw_s": raw(forward), "forward_summary": summarize(forward),
+            "flush_forward_s": flush, "write_paths": write_paths}
 
 
 def measure_stage_times(args, model: Path, work: Path) -> dict:

@@ -1,5 +1,6 @@
 """The real-server tooling on CPU: starting, health wait, JSON over HTTP and stopping (a
-stand-in HTTP server in place of SGLang's), and the pure parts of scripts/bench_e2e_ttft.py."""
+stand-in HTTP server in place of SGLang's), and scripts/bench_e2e_ttft.py: its pure parts and its
+measurement loop against stand-in servers whose forward times are known."""
 
 import subprocess
 import sys
@@ -110,6 +111,14 @@ def test_ttft_summary_and_stage_delta():
     assert delta["stages"]["prefetch:wait"]["ms_per_layer"] == 0.0437
 
 
+def test_ttft_forward_seconds_are_the_slowest_ranks_extend_time():
+    bench = _bench()
+    samples = {'{category="extend",tp_rank="0"}': 1.5, '{category="extend",tp_rank="1"}': 1.75,
+               '{category="decode",tp_rank="0"}': 9.0}
+    assert bench.extend_seconds(samples) == 1.75
+    assert bench.extend_seconds({}) == 0.0  # no forward reported yet
+
+
 def test_ttft_model_has_deepseek_v32_dims_and_only_dense_layers():
     config = _bench().model_config(8)
     assert config["num_hidden_layers"] == config["first_k_dense_replace"] == 8
@@ -122,3 +131,79 @@ def test_ttft_bench_refuses_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--cp-size", "1",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--cp-size >= 2" in proc.stderr
+
+
+class _LaggedForwardServer:
+    """A stand-in for one SGLang server's HTTP side as bench_e2e_ttft reads it: /generate runs
+    the prompt as 8,192-token forwards of ``seconds_per_token`` device time each, and, like
+    SGLang's DeviceTimer, each forward reports the ones before it when it ends (its own
+    interval has not completed yet); /metrics serves the counters two TP ranks wrote."""
+
+    def __init__(self, seconds_per_token: float, flag_on: bool):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.reported, self.pending, self.forwards = 0.0, [], 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, body: bytes):
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                lines = [f'sglang:forward_execution_seconds_total{{category="extend",tp_rank="{r}"}} '
+                         f'{fake.reported * (1.0 if r == 0 else 0.5)}' for r in (0, 1)]
+                if flag_on:
+                    lines.append(f'{server.WRITE_PATHS_METRIC}{{cp_rank="0",index="local",mla="local"}} '
+                                 f'{fake.forwards}')
+                self._send("\n".join(lines).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                tokens = len(body["input_ids"])
+                for start in range(0, tokens, 8192):
+                    fake.reported += sum(fake.pending)
+                    fake.pending = [min(8192, tokens - start) * seconds_per_token]
+                    fake.forwards += 1
+                self._send(b"{}")
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+
+def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch, tmp_path):
+    """measure_ttft on stand-in servers whose forward time is known: the server-side figure is
+    exactly the prompt's forwards (the lag of SGLang's device timer and the 64-token flush
+    accounted for), its overhead % the stand-ins' ratio, the write paths the flag-on servers'."""
+    import argparse
+    import math
+
+    bench = _bench()
+    per_token = {"off": 1e-4, "on": 1.02e-4, "on_prefetch": 1.01e-4}
+    fakes = {}
+
+    def launch(name, variant, model, args, index, work, timing_dir=None):
+        fakes[variant] = _LaggedForwardServer(per_token[variant], bench.VARIANTS[variant][0])
+        return fakes[variant], fakes[variant].port
+
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench, "stop", lambda fake: fake.http.shutdown())
+    args = argparse.Namespace(lengths=[100, 20000], runs=3)
+    out = bench.measure_ttft(args, tmp_path / "model", tmp_path)
+    for variant, seconds in per_token.items():
+        assert math.isclose(out["flush_forward_s"][variant], 64 * seconds)
+        for length in args.lengths:
+            forwards = out["forward_raw_s"][variant][str(length)]
+            assert len(forwards) == 3 and all(math.isclose(f, length * seconds) for f in forwards), forwards
+            assert len(out["raw_s"][variant][str(length)]) == 3
+    assert out["forward_summary"]["on"]["20000"]["overhead_pct"] == 2.0
+    assert out["forward_summary"]["on_prefetch"]["100"]["overhead_pct"] == 1.0
+    assert set(out["write_paths"]) == {"on", "on_prefetch"}
+    assert all(sample > 0 for paths in out["write_paths"].values() for sample in paths.values())
