@@ -30,6 +30,8 @@ stage-times file over those requests, per forward and per layer (it includes one
 
 Usage: python scripts/bench_e2e_ttft.py --out ttft.json [--lengths 16384,32768,65536,114688]
        [--runs 5] [--layers 8] [--kv-cache-dtype bfloat16] [--cp-size 2] [--skip-stage-times]
+       --cp-size 1: one GPU, the stock TP1 server alone (no CP, so no flag): the run-to-run
+       spread of TTFT and of the server-side forward time, i.e. what each can resolve.
 JSON on stdout and in --out. Nothing here is a pass/fail test.
 """
 
@@ -135,10 +137,10 @@ def prompt(seed: int, length: int, vocab: int) -> List[int]:
 def launch(name: str, variant: str, model: Path, args, index: int, work: Path, timing_dir: Path = None):
     flag_on, prefetch = VARIANTS[variant]
     port, nccl_port = args.port + 10 * index, args.port + 10 * index + 5
+    cp = ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+          "--disable-custom-all-reduce"] if args.cp_size > 1 else []  # --cp-size 1: stock TP1, the noise floor
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
-           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.cp_size),
-           "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
-           "--disable-custom-all-reduce", "--page-size", "64", "--mem-fraction-static", str(args.mem_fraction),
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.cp_size), *cp, "--page-size", "64", "--mem-fraction-static", str(args.mem_fraction),
            "--disable-cuda-graph", "--disable-piecewise-cuda-graph", "--random-seed", "0",
            "--port", str(port), "--nccl-port", str(nccl_port), "--kv-cache-dtype", args.kv_cache_dtype,
            "--chunked-prefill-size", str(CHUNK), "--sampling-backend", "pytorch",
@@ -180,19 +182,25 @@ def flush_forward_s(port: int, vocab: int, pairs: int = 5) -> float:
     return statistics.median(samples)
 
 
+def variants_for(cp_size: int) -> List[str]:
+    """The servers to compare: all of VARIANTS, or at CP size 1 (no CP group, so no flag) the
+    flag-off server alone, whose spread is the noise floor of both measurements."""
+    return list(VARIANTS) if cp_size > 1 else ["off"]
+
+
 def measure_ttft(args, model: Path, work: Path) -> dict:
-    servers = {}
+    servers, variants = {}, variants_for(args.cp_size)
     try:
-        for i, variant in enumerate(VARIANTS):
+        for i, variant in enumerate(variants):
             servers[variant] = launch(variant, variant, model, args, i, work)
         vocab = DSV32_DIMS["vocab_size"]
         for length in args.lengths:  # warm-up: JIT and allocator for each shape
             for variant, (_, port) in servers.items():
                 generate(port, prompt(10_000 + length, length, vocab))
         flush = {variant: flush_forward_s(port, vocab) for variant, (_, port) in servers.items()}
-        ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in VARIANTS}
-        forward: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in VARIANTS}
-        for rnd, length, variant in schedule(args.lengths, args.runs, list(VARIANTS)):
+        ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
+        forward: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
+        for rnd, length, variant in schedule(args.lengths, args.runs, variants):
             port = servers[variant][1]
             before = forward_seconds(port)
             ttft[variant][length].append(generate(port, prompt(rnd * 1000 + length, length, vocab)))
@@ -249,14 +257,14 @@ def main() -> int:
     ap.add_argument("--skip-stage-times", action="store_true")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
-    if args.runs < 1 or args.layers < 1 or args.cp_size < 2 or not args.lengths:
-        ap.error("--runs and --layers must be >= 1, --cp-size >= 2, --lengths non-empty")
+    if args.runs < 1 or args.layers < 1 or args.cp_size < 1 or not args.lengths:
+        ap.error("--runs, --layers and --cp-size must be >= 1, --lengths non-empty")
     work = Path(args.workdir)
     model = write_model(work / f"dsv32-dims-{args.layers}l", model_config(args.layers))
     report = {"command": " ".join(sys.argv), "layers": args.layers, "cp_size": args.cp_size, "chunk": CHUNK,
               "kv_cache_dtype": args.kv_cache_dtype, "lengths": args.lengths, "runs": args.runs,
               "ttft": measure_ttft(args, model, work)}
-    if not args.skip_stage_times:
+    if not args.skip_stage_times and args.cp_size > 1:
         report["stage_times"] = measure_stage_times(args, model, work)
     text = json.dumps(report, indent=1)
     Path(args.out).write_text(text)

@@ -11,7 +11,8 @@
 #   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
 #   machine stays warm, logs are copied to $out; E2E_ARGS="--stable-topk" adds options,
 #   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
-#   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; JSON and logs to $out);
+#   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
+#   TP1 noise floor on one; JSON and logs to $out);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU

@@ -128,9 +128,9 @@ def test_ttft_model_has_deepseek_v32_dims_and_only_dense_layers():
 
 
 def test_ttft_bench_refuses_bad_arguments(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--cp-size", "1",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--cp-size", "0",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--cp-size >= 2" in proc.stderr
+    assert proc.returncode == 2 and "--cp-size must be >= 1" in proc.stderr
 
 
 class _LaggedForwardServer:
@@ -195,7 +195,7 @@ def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch
 
     monkeypatch.setattr(bench, "launch", launch)
     monkeypatch.setattr(bench, "stop", lambda fake: fake.http.shutdown())
-    args = argparse.Namespace(lengths=[100, 20000], runs=3)
+    args = argparse.Namespace(lengths=[100, 20000], runs=3, cp_size=2)
     out = bench.measure_ttft(args, tmp_path / "model", tmp_path)
     for variant, seconds in per_token.items():
         assert math.isclose(out["flush_forward_s"][variant], 64 * seconds)
@@ -207,3 +207,8 @@ def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch
     assert out["forward_summary"]["on_prefetch"]["100"]["overhead_pct"] == 1.0
     assert set(out["write_paths"]) == {"on", "on_prefetch"}
     assert all(sample > 0 for paths in out["write_paths"].values() for sample in paths.values())
+
+
+def test_ttft_bench_at_cp_size_1_runs_the_stock_server_alone():
+    bench = _bench()
+    assert bench.variants_for(1) == ["off"] and bench.variants_for(2) == ["off", "on", "on_prefetch"]
