@@ -216,7 +216,15 @@ def measure_ttft(args, model: Path, work: Path) -> dict:
     raw = lambda by_variant: {v: {str(n): t for n, t in by.items()} for v, by in by_variant.items()}  # noqa: E731
     return {"raw_s": raw(ttft), "summary": summarize(ttft),
             "forward_raw_s": raw(forward), "forward_summary": summarize(forward),
+            "forward_per_chunk_ms": forward_per_chunk_ms(forward),
             "flush_forward_s": flush, "write_paths": write_paths}
+
+
+def forward_per_chunk_ms(forward: Dict[str, Dict[int, List[float]]]) -> Dict[str, Dict[str, float]]:
+    """Median forward time of a prompt divided by its CHUNK-token chunks, per variant and length
+    (the mean over chunks: later chunks attend over more history)."""
+    return {v: {str(n): round(statistics.median(t) / -(-n // CHUNK) * 1e3, 3) for n, t in by.items() if t}
+            for v, by in forward.items()}
 
 
 def measure_stage_times(args, model: Path, work: Path) -> dict:

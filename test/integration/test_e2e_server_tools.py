@@ -204,6 +204,7 @@ def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch
             assert len(forwards) == 3 and all(math.isclose(f, length * seconds) for f in forwards), forwards
             assert len(out["raw_s"][variant][str(length)]) == 3
     assert out["forward_summary"]["on"]["20000"]["overhead_pct"] == 2.0
+    assert out["forward_per_chunk_ms"]["off"] == {"100": 10.0, "20000": round(2000.0 / 3, 3)}  # 3 chunks of 8K
     assert out["forward_summary"]["on_prefetch"]["100"]["overhead_pct"] == 1.0
     assert set(out["write_paths"]) == {"on", "on_prefetch"}
     assert all(sample > 0 for paths in out["write_paths"].values() for sample in paths.values())
