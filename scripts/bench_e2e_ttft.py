@@ -228,13 +228,15 @@ def forward_per_chunk_ms(forward: Dict[str, Dict[int, List[float]]]) -> Dict[str
 
 
 def measure_stage_times(args, model: Path, work: Path) -> dict:
+    """Per flag-on variant and length, the stage-time delta of one request (module docstring);
+    a variant that fails keeps what it measured and says why (``error``), and the next one runs."""
     out = {}
     vocab = DSV32_DIMS["vocab_size"]
     for i, variant in enumerate(("on", "on_prefetch")):
         timing_dir = work / f"timing-{variant}"
-        proc, port = launch(f"{variant}-timed", variant, model, args, i, work, timing_dir)
+        out[variant], proc = {}, None
         try:
-            out[variant] = {}
+            proc, port = launch(f"{variant}-timed", variant, model, args, i, work, timing_dir)
             rank0 = timing_dir / "stage-times-cp0.json"
             for length in args.lengths:
                 generate(port, prompt(20_000 + length, length, vocab))  # warm-up
@@ -245,8 +247,12 @@ def measure_stage_times(args, model: Path, work: Path) -> dict:
                 generate(port, prompt(3, 64, vocab))
                 after = json.loads(rank0.read_text())
                 out[variant][str(length)] = stage_delta(before, after, args.layers)
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
+            out[variant]["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"bench_e2e_ttft: stage times of {variant} failed: {out[variant]['error']}", file=sys.stderr)
         finally:
-            stop(proc)
+            if proc is not None:
+                stop(proc)
     return out
 
 
@@ -272,12 +278,15 @@ def main() -> int:
     report = {"command": " ".join(sys.argv), "layers": args.layers, "cp_size": args.cp_size, "chunk": CHUNK,
               "kv_cache_dtype": args.kv_cache_dtype, "lengths": args.lengths, "runs": args.runs,
               "ttft": measure_ttft(args, model, work)}
+    Path(args.out).write_text(json.dumps(report, indent=1))  # phase 1 kept whatever phase 2 does
+    status = 0
     if not args.skip_stage_times and args.cp_size > 1:
         report["stage_times"] = measure_stage_times(args, model, work)
+        status = int(any("error" in by_length for by_length in report["stage_times"].values()))
     text = json.dumps(report, indent=1)
     Path(args.out).write_text(text)
     print(text)
-    return 0
+    return status
 
 
 if __name__ == "__main__":

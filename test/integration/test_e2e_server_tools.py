@@ -139,7 +139,7 @@ class _LaggedForwardServer:
     SGLang's DeviceTimer, each forward reports the ones before it when it ends (its own
     interval has not completed yet); /metrics serves the counters two TP ranks wrote."""
 
-    def __init__(self, seconds_per_token: float, flag_on: bool):
+    def __init__(self, seconds_per_token: float, flag_on: bool, timing_dir: Path = None):
         import json
         import threading
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -171,6 +171,11 @@ class _LaggedForwardServer:
                     fake.reported += sum(fake.pending)
                     fake.pending = [min(8192, tokens - start) * seconds_per_token]
                     fake.forwards += 1
+                if timing_dir is not None:  # the stage timer's file, as CP rank 0 rewrites it
+                    timing_dir.mkdir(parents=True, exist_ok=True)
+                    (timing_dir / "stage-times-cp0.json").write_text(json.dumps({
+                        "forwards": fake.forwards,
+                        "stages": {"owner_write": {"calls": 8 * fake.forwards, "total_ms": 0.5 * fake.forwards}}}))
                 self._send(b"{}")
 
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -213,3 +218,29 @@ def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch
 def test_ttft_bench_at_cp_size_1_runs_the_stock_server_alone():
     bench = _bench()
     assert bench.variants_for(1) == ["off"] and bench.variants_for(2) == ["off", "on", "on_prefetch"]
+
+
+def test_ttft_stage_times_keep_what_a_failed_variant_measured_and_go_on(monkeypatch, tmp_path):
+    """A flag-on timed server that does not come up is reported in the JSON (``error``) and
+    the other variant is still measured; main's exit status says so."""
+    import argparse
+
+    bench = _bench()
+    fakes = []
+
+    def launch(name, variant, model, args, index, work, timing_dir=None):
+        if variant == "on":
+            raise RuntimeError("on-timed: server exited with 1; see on-timed.log")
+        fakes.append(_LaggedForwardServer(1e-4, True, timing_dir))
+        return fakes[-1], fakes[-1].port
+
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench, "stop", lambda fake: fake.http.shutdown())
+    args = argparse.Namespace(lengths=[64, 20000], layers=8)
+    out = bench.measure_stage_times(args, tmp_path / "model", tmp_path)
+    assert out["on"] == {"error": "RuntimeError: on-timed: server exited with 1; see on-timed.log"}
+    # the measured request and the 64-token one after it: 3 + 1 forwards of 8 layers
+    assert out["on_prefetch"]["20000"]["forwards"] == 4
+    assert out["on_prefetch"]["20000"]["stages"]["owner_write"] == {
+        "calls": 32, "ms": 2.0, "ms_per_forward": 0.5, "ms_per_layer": 0.0625}
+    assert out["on_prefetch"]["64"]["forwards"] == 2
