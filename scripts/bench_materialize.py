@@ -259,25 +259,30 @@ def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
     import torch.distributed as dist
 
     if shard.device.type == "cuda":
+        # NOTE: rendezvous is collective; every rank first says whether it could allocate, so a
+        # rank that cannot never leaves the others waiting in it, and all ranks agree on the paths
+        mine, problem = None, None
         try:
             import torch.distributed._symmetric_memory as symm_mem
 
-            group_name = dist.group.WORLD.group_name
             if hasattr(symm_mem, "enable_symm_mem_for_group"):  # NOTE: required before torch 2.9
-                symm_mem.enable_symm_mem_for_group(group_name)
+                symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
             mine = symm_mem.empty(tuple(shard.shape), dtype=shard.dtype, device=shard.device)
             mine.copy_(shard)
-            handle = symm_mem.rendezvous(mine, dist.group.WORLD)
-            peers = [mine if p == rank else handle.get_buffer(p, tuple(shard.shape), shard.dtype)
-                     for p in range(nprocs)]
-            torch.cuda.synchronize(shard.device)
-            dist.barrier()
-            return peers, lambda: dist.barrier()
         except Exception as exc:  # noqa: BLE001 - a machine without IPC or symmetric memory
+            problem = f"{type(exc).__name__}: {exc}"
+        problems = [None] * nprocs
+        dist.all_gather_object(problems, problem)
+        if any(problems):
             if rank == 0:
-                print(f"bench_materialize: no copy-engine pull ({type(exc).__name__}: {exc})", file=sys.stderr)
-            dist.barrier()
+                print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
             return None, lambda: None
+        handle = symm_mem.rendezvous(mine, dist.group.WORLD)
+        peers = [mine if p == rank else handle.get_buffer(p, tuple(shard.shape), shard.dtype)
+                 for p in range(nprocs)]
+        torch.cuda.synchronize(shard.device)
+        dist.barrier()
+        return peers, lambda: dist.barrier()
     paths = [workdir / f"{tag}-rank{p}.bin" for p in range(nprocs)]
     mine = torch.from_file(str(paths[rank]), shared=True, size=shard.numel(), dtype=shard.dtype)
     mine.copy_(shard.reshape(-1))
