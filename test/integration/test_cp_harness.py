@@ -3,7 +3,8 @@
 One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_harness.py for what is
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
 the debug checks forward by forward; at N = 2, 3, 4 the chunked scenarios run again with
-the one-layer-ahead MLA history prefetch (phase 8).
+the one-layer-ahead MLA history prefetch (phase 8), and with the plugin's host
+synchronisations counted.
 
 NOTE: N = 8 is eight processes on CI's two cores (it was 12 of CI's 38 minutes): there every
 scenario runs with the debug checks on only (they add checks, not a different path), and
@@ -24,6 +25,9 @@ PREFETCH_N = (2, 3, 4)
 PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "aligned_chunked_prefill",
                       "corrupted_shard_is_detected")
 SOAK_N = (2, 3, 4)
+# host synchronisations counted (at N in PREFETCH_N): bf16 without prefetch, fp8 with it
+HOST_SYNC_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "prefix_mid_page", "full_view_fallback",
+                       "aligned_chunked_prefill")
 
 
 def debug_modes(n):
@@ -43,6 +47,8 @@ def group(request):
         jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
         jobs += [("chunked_prefill", "fp8_e4m3", "off", {"prefetch": True, "stage_timer": True})]
         jobs += [("aligned_chunked_prefill", "bf16", "off", {"prefetch": True, "stage_timer": True})]
+        jobs += [(name, "bf16", "off", {"host_syncs": True}) for name in HOST_SYNC_SCENARIOS]
+        jobs += [(name, "fp8_e4m3", "off", {"host_syncs": True, "prefetch": True}) for name in HOST_SYNC_SCENARIOS]
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
 
@@ -58,8 +64,8 @@ def _assert_clean(results, scenario):
 def test_scenario_bit_exact(group, scenario):
     n, results = group
     outcomes = _assert_clean(results, scenario)
-    plain = {k: v for k, v in outcomes.items() if "prefetch" not in k}
-    assert len(plain) == len(DTYPES) * len(debug_modes(n))  # (and the prefetch runs below)
+    plain = {k: v for k, v in outcomes.items() if "prefetch" not in k and "host_syncs" not in k}
+    assert len(plain) == len(DTYPES) * len(debug_modes(n))  # (and the prefetch and host-sync runs below)
     assert all(v["stats"]["topk_rows"] > 0 for v in outcomes.values())
 
 
@@ -142,7 +148,7 @@ def test_prefetch_bit_exact(group):
     n, results = group
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
-    runs = {k: v for k, v in results.items() if "prefetch=True" in k}
+    runs = {k: v for k, v in results.items() if "prefetch=True" in k and "host_syncs" not in k}
     assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 3
     for key, outcome in runs.items():
         if key.startswith("corrupted_shard_is_detected/"):
@@ -178,6 +184,26 @@ def test_stage_timer_times_every_stage_of_every_forward(group):
         assert all(v["total_ms"] >= 0 for v in times["stages"].values()) and times["clock"] == "perf_counter"
     assert timed["aligned_chunked_prefill/bf16/debug=off/prefetch=True/stage_timer=True"]["stats"][
         "write_paths"][LOCAL] == 3
+
+
+def test_one_host_synchronisation_per_forward_and_none_in_the_layers(group):
+    """The plugin makes the host wait for the device once per forward -- the page map's sizes,
+    read before the first layer -- and never inside a layer (testing/host_syncs.py counts the
+    torch calls that synchronise on CUDA, by the plugin module that makes them): chunked
+    prefill, radix hits, a prefix ending mid-page, full-view layers and local writes, with
+    and without the prefetch."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"host synchronisations are counted at N in {PREFETCH_N}")
+    runs = {k: v for k, v in results.items() if "host_syncs=True" in k}
+    assert len(runs) == 2 * len(HOST_SYNC_SCENARIOS)
+    for key, outcome in runs.items():
+        assert not outcome["errors"], (key, outcome["errors"])
+        in_forward = {phase: sites for phase, sites in outcome["stats"]["host_syncs"].items() if phase != "after"}
+        assert set(in_forward) == {"forward start"}, (key, in_forward)
+        (site, calls), = in_forward["forward start"].items()
+        assert site.startswith("forward/dense_layout.py:") and site.endswith(" Tensor.tolist"), (key, site)
+        assert calls == outcome["stats"]["forwards"], (key, calls)
 
 
 def test_corrupted_shard_is_detected(group):

@@ -102,9 +102,12 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
     (pages numbered below ``num_logical_pages``)."""
     page_size = layout.page_size
     history_pages = -(-prefix_len // page_size)
-    page_map = build_dense_page_map(layout, seq_pages, history_pages)
-
-    owned_rows, owned_physical_locs = owned_rows_of(layout, None, out_cache_loc)
+    owned = layout.owned_by_this_rank(out_cache_loc, validate=False)
+    # NOTE: the owned-row count rides in the page map's host read, the forward's only
+    # synchronisation; nonzero_static then needs none (nonzero would read its size)
+    page_map = build_dense_page_map(layout, seq_pages, history_pages, read_also=(owned.sum(),))
+    owned_rows = torch.nonzero_static(owned, size=page_map.read_also[0]).squeeze(1)
+    owned_physical_locs = layout.logical_locs_to_physical(out_cache_loc.index_select(0, owned_rows), validate=False)
     page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
     # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.
     dense_out_locs = kernels.remap_locs(out_cache_loc, page_inverse, page_size)

@@ -30,7 +30,7 @@ the current region is gathered the same way (the phase-2 full view).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,8 @@ class DensePageMap:
     #: in its pool in sequence order (the send list is then a run: no pack); -1 otherwise
     history_run: int = -1
     current_run: int = -1
+    #: the caller's ``read_also`` values, read on the host in the same synchronisation
+    read_also: Tuple[int, ...] = ()
 
     @property
     def num_dense_pages(self) -> int:
@@ -116,14 +118,23 @@ def _run_of(owned: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, is_run.to(first.dtype)])
 
 
-def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, history_pages: int) -> DensePageMap:
+def _owner_counts(owners: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Pages per owner rank, without a host synchronisation (NOTE: ``torch.bincount`` on
+    CUDA reads its input's maximum on the host to size its output, even with ``minlength``)."""
+    counts = torch.zeros(cp_size, dtype=torch.int64, device=owners.device)
+    return counts.scatter_add_(0, owners, torch.ones_like(owners))
+
+
+def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, history_pages: int, *,
+                         read_also: Sequence[torch.Tensor] = ()) -> DensePageMap:
     """Place the ``P`` logical pages of one sequence (``seq_pages``, in sequence order;
     the first ``history_pages`` are history) in the dense scratch.
 
-    One host synchronisation reads the two block sizes, which size the collectives, whether
-    this rank's pages of each region form a run in its pool, and the owners of the
-    current-only pages (``forward.local_writes`` compares them with the ranks that compute
-    those pages).
+    One host synchronisation -- the forward's only one -- reads the two block sizes, which
+    size the collectives, whether this rank's pages of each region form a run in its pool,
+    the owners of the current-only pages (``forward.local_writes`` compares them with the
+    ranks that compute those pages) and the caller's ``read_also`` (one-element integer
+    device tensors, returned as ``DensePageMap.read_also``).
     """
     seq_pages = seq_pages.to(torch.int64)
     num_pages = int(seq_pages.numel())
@@ -132,15 +143,14 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     owners = layout.owner_for_logical_pages(seq_pages, validate=False)
     physical = layout.logical_pages_to_physical(seq_pages, validate=False)
     n = layout.cp_size
-    counts = torch.stack([
-        torch.bincount(owners[:history_pages], minlength=n),
-        torch.bincount(owners[history_pages:], minlength=n),
-    ])
+    counts = torch.stack([_owner_counts(owners[:history_pages], n), _owner_counts(owners[history_pages:], n)])
     mine = owners == layout.cp_rank
     runs = torch.cat([_run_of(mine[:history_pages], physical[:history_pages]),
                       _run_of(mine[history_pages:], physical[history_pages:])])
-    host = torch.cat([counts.max(dim=1).values, runs, owners[history_pages:]]).tolist()
-    history_pad, current_pad, current_owners = int(host[0]), int(host[1]), tuple(int(x) for x in host[6:])
+    extra = [t.reshape(1).to(torch.int64) for t in read_also]
+    host = torch.cat([counts.max(dim=1).values, runs, owners[history_pages:], *extra]).tolist()
+    history_pad, current_pad = int(host[0]), int(host[1])
+    current_owners = tuple(int(x) for x in host[6: 6 + num_pages - history_pages])
     history_run = int(host[2]) if host[3] else _NO_RUN
     current_run = int(host[4]) if host[5] else _NO_RUN
     hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
@@ -160,4 +170,5 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         current_owners=current_owners,
         history_run=history_run,
         current_run=current_run,
+        read_also=tuple(int(x) for x in host[6 + num_pages - history_pages:]),
     )

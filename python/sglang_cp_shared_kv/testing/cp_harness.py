@@ -64,7 +64,8 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
     """Run ``jobs`` = [(scenario, dtype, debug[, options])] on ``n`` ranks, debug being "on",
     "off" or "alternate" (per forward), options {"prefetch": bool, "slow_prefetch_rank": r}
     (that rank starts each prefetch late), {"stage_timer": bool} (NVTX on and every stage
-    timed; rank 0's stats then hold ``stage_times``); return, per
+    timed; rank 0's stats then hold ``stage_times``), {"host_syncs": bool} (the plugin's host
+    synchronisations counted by forward phase: ``stats["host_syncs"]``); return, per
     ``scenario/dtype/debug[/options]`` key, the merged outcome of all ranks."""
     import torch.multiprocessing as mp
 
@@ -98,7 +99,8 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
                     "distinct": prefetch_group is not group.device_group,
                     "size": torch.distributed.get_world_size(prefetch_group)}
             with _slow_prefetch(options.get("slow_prefetch_rank") == rank), \
-                    _stage_timed(rig, rank, options.get("stage_timer", False)):
+                    _stage_timed(rig, rank, options.get("stage_timer", False)), \
+                    _host_syncs_counted(rig, options.get("host_syncs", False)):
                 SCENARIOS[name](rig)
             rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
             key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
@@ -137,6 +139,24 @@ def _stage_timed(rig: Rig, rank: int, on: bool):
             torch.cuda.synchronize()
         timer.collect()
         rig.stats["stage_times"] = timer.snapshot()
+
+
+@contextlib.contextmanager
+def _host_syncs_counted(rig: Rig, on: bool):
+    """With ``on``: the plugin's host synchronisations counted by forward phase and call site
+    (:mod:`.host_syncs`), into ``rig.stats["host_syncs"]``."""
+    if not on:
+        yield
+        return
+    from sglang_cp_shared_kv.testing.host_syncs import HostSyncCounter
+
+    rig.host_syncs = HostSyncCounter()
+    try:
+        with rig.host_syncs.counting():
+            yield
+    finally:
+        rig.stats["host_syncs"] = rig.host_syncs.report()
+        rig.host_syncs = None
 
 
 @contextlib.contextmanager

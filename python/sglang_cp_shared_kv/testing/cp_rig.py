@@ -113,6 +113,8 @@ class Rig:
         self.stats = {"forwards": 0, "layers": 0, "topk_rows": 0, "kernel_calls": {}}
         self._count_writes(self.shared.context.kernels, self.stats["kernel_calls"])
         self.forward_counter = 0
+        #: a :class:`..host_syncs.HostSyncCounter` told where each forward is (None: not counted)
+        self.host_syncs = None
 
     @staticmethod
     def _count_writes(kernels, counts: dict) -> None:
@@ -283,6 +285,10 @@ class Rig:
             return latent_kept_local(deepseek_v2.DeepseekV2AttentionMLA.rebuild_cp_kv_cache, attention,
                                      latent_cache, fb, nope, rope)
 
+    def _phase(self, layer_id, *, forward_start: bool = False) -> None:
+        if self.host_syncs is not None:
+            self.host_syncs.at_layer(layer_id, forward_start=forward_start)
+
     def _rand(self, gen, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype).to(self.device)
 
@@ -303,12 +309,14 @@ class Rig:
         out_cache_loc = torch.cat([locs, torch.zeros(pad_rows, dtype=torch.int64, device=self.device)])
         fb_s, be_s = self._batch(self.shared, req, prefix, extend_len, out_cache_loc)
         fb_r, be_r = self._batch(self.replicated, req, prefix, extend_len, out_cache_loc)
+        self._phase(None, forward_start=True)
         attach_batch_state(None, be_s, fb_s)
         fb_s.attn_cp_metadata = self._cp_metadata(fb_s, rows, seq_len)  # built by the model, after the backend's
         gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
         self.forward_counter += 1
         for layer in self.layers:
             lid = layer.layer_id
+            self._phase(lid)
             where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
             # ---- indexer: store, then what its kernels read
             key = self._rand(gen, rows, INDEX_DIM)
@@ -339,6 +347,7 @@ class Rig:
                                                k_rope=k_rope, topk_indices=topk_r, fp8=self.fp8)
             for name in want:
                 self._expect_equal(f"{where}: {name}", got[name], want[name])
+            self._phase(None)  # the rig's own bookkeeping below is not the forward's
             self.stats["layers"] += 1
             self.stats["topk_rows"] += int((positions >= 0).sum())
         plan = self.shared.local_writes[1] if self.shared.local_writes is not None else None
