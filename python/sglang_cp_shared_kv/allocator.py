@@ -28,10 +28,11 @@ The constructor signature stays SGLang's because ``_init_pools`` calls it.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Deque, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,7 +65,10 @@ def _first_run(lane: torch.Tensor, count: int, cp_size: int) -> int:
 
 def compute_owner_order(free_pages: torch.Tensor, ranks: Sequence[int], cp_size: int) -> Optional[torch.Tensor]:
     """``free_pages`` reordered so that its first ``len(ranks)`` pages are owned by
-    ``ranks`` (in order); None when some rank's lane has too few free pages."""
+    ``ranks`` (in order); None when some rank's lane has too few free pages.
+
+    The readable reference (it reads the device several times per rank); the allocator runs
+    :func:`compute_owner_order_on_device`, which the tests hold equal to it."""
     if not ranks:
         return free_pages
     lanes = (free_pages - 1) % cp_size
@@ -78,6 +82,52 @@ def compute_owner_order(free_pages: torch.Tensor, ranks: Sequence[int], cp_size:
         take[slots] = lane[start: start + count]
     rest = free_pages[~torch.isin(free_pages, take)]
     return torch.cat([take, rest])
+
+
+def compute_owner_order_on_device(free_pages: torch.Tensor, ranks: Sequence[int], cp_size: int,
+                                  page_limit: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compute_owner_order` without a host synchronisation: ``(order, found)``, where
+    ``found`` is a device bool and ``order`` is ``free_pages`` itself where some lane has too
+    few free pages (the reference's None). ``page_limit``: every page is below it.
+
+    NOTE: the allocator runs in the scheduler, which under SGLang's overlap schedule prepares
+    the next batch while the current forward runs; a host read here would make it wait for
+    that forward. So every size below comes from host data (the ranks, the free list's
+    length): one sort of the free pages by (lane, page) replaces the per-lane masks, each
+    rank's first run is a masked minimum, the pages not taken are compacted with
+    ``nonzero_static`` (their number is known), and the fallback is a ``torch.where``.
+    """
+    device, count = free_pages.device, free_pages.numel()
+    if not ranks:
+        return free_pages, torch.ones((), dtype=torch.bool, device=device)
+    if count < len(ranks):
+        return free_pages, torch.zeros((), dtype=torch.bool, device=device)
+    pages = free_pages.to(torch.int64)
+    lanes = (pages - 1) % cp_size
+    by_lane = torch.sort(lanes * page_limit + pages).values % page_limit  # each lane's pages, ascending
+    lane_sizes = torch.zeros(cp_size, dtype=torch.int64, device=device).scatter_add_(0, lanes, torch.ones_like(lanes))
+    lane_starts = torch.cumsum(lane_sizes, 0) - lane_sizes
+    found = torch.ones((), dtype=torch.bool, device=device)
+    picked, slots = [], []
+    for rank, need in sorted(Counter(ranks).items()):
+        start, size = lane_starts[rank], lane_sizes[rank]
+        found = found & (size >= need)
+        first = torch.arange(count - need + 1, device=device)  # window [first, first + need) of by_lane
+        span = by_lane[need - 1:] - by_lane[: count - need + 1]
+        is_run = (span == (need - 1) * cp_size) & (first >= start) & (first + need <= start + size)
+        begin = torch.where(is_run, first, count).min()
+        begin = torch.where(begin < count, begin, start)  # no run: the lane's first pages
+        picked.append(by_lane[(begin + torch.arange(need, device=device)).clamp(max=count - 1)])
+        slots += [i for i, r in enumerate(ranks) if r == rank]
+    slots = torch.tensor(slots)
+    if device.type == "cuda":  # NOTE: a pageable host-to-device copy would wait for the stream
+        slots = slots.pin_memory().to(device, non_blocking=True)
+    take = torch.empty(len(ranks), dtype=torch.int64, device=device)
+    take[slots] = torch.cat(picked)
+    taken = torch.zeros(page_limit, dtype=torch.bool, device=device).index_fill_(0, take, True)
+    rest = torch.nonzero_static(~taken[pages], size=count - len(ranks)).squeeze(1)
+    order = torch.cat([take, pages.index_select(0, rest.clamp(min=0))]).to(free_pages.dtype)
+    return torch.where(found, order, free_pages), found
 
 
 class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
@@ -95,9 +145,46 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             )
         self.cp_layout = layout
         self.physical_size = kvcache.physical_size
-        self.stats = AllocationStats()
+        self._stats = AllocationStats()
+        #: compute-owner decisions made on the device, not yet read: (found, event, pages, free)
+        self._undecided: Deque[tuple] = collections.deque()
         self._check_allocations = debug_enabled()
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
+
+    @property
+    def stats(self) -> AllocationStats:
+        """The decisions so far (reading them waits for the device to have made them)."""
+        self._read_decisions(wait=True)
+        return self._stats
+
+    def _note_decision(self, found: torch.Tensor, chunk_pages: int) -> None:
+        """Keep ``found`` (a device bool) to be read once the device has computed it."""
+        event = None
+        if found.is_cuda:  # NOTE: a non-blocking copy and an event: nothing here waits for the device
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(found, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            found = host
+        self._undecided.append((found, event, chunk_pages, self.free_pages.numel()))
+
+    def _read_decisions(self, wait: bool) -> None:
+        """Count (and log) the decisions the device has made; all of them with ``wait``."""
+        while self._undecided:
+            found, event, chunk_pages, free = self._undecided[0]
+            if event is not None and not (wait or event.query()):
+                return
+            if event is not None:
+                event.synchronize()
+            self._undecided.popleft()
+            if bool(found):
+                self._stats.compute_owner_chunks += 1
+                continue
+            self._stats.lane_fallbacks += 1
+            log = logger.warning if self._stats.lane_fallbacks == 1 else logger.debug
+            log("CP shared KV: an owner lane had too few free pages for a %d-page chunk (%d free in all); "
+                "that chunk took interleaved pages (lane fallbacks so far: %d)",
+                chunk_pages, free, self._stats.lane_fallbacks)
 
     def _checked(self, out_locs):
         if self._check_allocations and out_locs is not None and out_locs.numel():
@@ -132,22 +219,21 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             return None  # in-seq-split CP prefill runs one request per batch
         layout = self.cp_layout
         split = page_aligned_split(int(prefix_lens_cpu[0]), int(seq_lens_cpu[0]), self.page_size, layout.cp_size)
+        self._read_decisions(wait=self._check_allocations)
         if split is None:
-            self.stats.short_chunks += 1
+            self._stats.short_chunks += 1
             return None
         ranks = split.new_page_ranks()
         if self.need_sort and len(self.release_pages):
             self.merge_and_sort_free()  # every free page is a candidate for its lane
-        order = compute_owner_order(self.free_pages, ranks, layout.cp_size)
-        if order is None:
-            self.stats.lane_fallbacks += 1
-            log = logger.warning if self.stats.lane_fallbacks == 1 else logger.debug
-            log("CP shared KV: an owner lane has too few free pages for a %d-page chunk (%d free in all); "
-                "this chunk takes interleaved pages (lane fallbacks so far: %d)",
-                len(ranks), self.free_pages.numel(), self.stats.lane_fallbacks)
-            return None
-        self.free_pages = order
-        self.stats.compute_owner_chunks += 1
+        # NOTE: decided on the device (no host read under the overlap schedule); counted later
+        self.free_pages, found = compute_owner_order_on_device(self.free_pages, ranks, layout.cp_size,
+                                                               self.size // self.page_size + 1)
+        self._note_decision(found, len(ranks))
+        if self._check_allocations:  # debug: read it now, to check the pages against it
+            fallbacks = self._stats.lane_fallbacks
+            self._read_decisions(wait=True)
+            return None if self._stats.lane_fallbacks > fallbacks else ranks
         return ranks
 
     def _check_compute_owners(self, out_locs, prefix_len: int, ranks: Sequence[int]) -> None:
