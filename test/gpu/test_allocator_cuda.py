@@ -5,6 +5,7 @@ here). The pages are the readable reference's."""
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from sglang_cp_shared_kv.allocator import (
@@ -37,6 +38,8 @@ def test_the_device_decision_reads_nothing_on_the_host_and_equals_the_reference(
             order, found = compute_owner_order_on_device(cuda_free, ranks, cp_size, 2001)
         assert bool(found) == (want is not None)
         assert torch.equal(order.cpu(), free if want is None else want)
+        with pytest.raises(RuntimeError, match="synchroniz"), sync_errors():  # the check itself bites:
+            compute_owner_order(cuda_free, ranks, cp_size)  # the reference reads the device per rank
 
 
 def test_the_allocator_decides_without_waiting_and_counts_once_read():
