@@ -140,7 +140,8 @@ def launch(name: str, variant: str, model: Path, args, index: int, work: Path, t
     cp = ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
           "--disable-custom-all-reduce"] if args.cp_size > 1 else []  # --cp-size 1: stock TP1, the noise floor
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--load-format", "dummy",
-           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.cp_size), *cp, "--page-size", "64", "--mem-fraction-static", str(args.mem_fraction),
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.cp_size), *cp, "--page-size", "64",
+           "--mem-fraction-static", str(args.mem_fraction),
            "--disable-cuda-graph", "--disable-piecewise-cuda-graph", "--random-seed", "0",
            "--port", str(port), "--nccl-port", str(nccl_port), "--kv-cache-dtype", args.kv_cache_dtype,
            "--chunked-prefill-size", str(CHUNK), "--sampling-backend", "pytorch",
@@ -240,11 +241,11 @@ def measure_stage_times(args, model: Path, work: Path) -> dict:
             rank0 = timing_dir / "stage-times-cp0.json"
             for length in args.lengths:
                 generate(port, prompt(20_000 + length, length, vocab))  # warm-up
-                generate(port, prompt(1, 64, vocab))
-                generate(port, prompt(2, 64, vocab))
+                generate(port, prompt(1, FLUSH_TOKENS, vocab))
+                generate(port, prompt(2, FLUSH_TOKENS, vocab))
                 before = json.loads(rank0.read_text())
                 generate(port, prompt(30_000 + length, length, vocab))
-                generate(port, prompt(3, 64, vocab))
+                generate(port, prompt(3, FLUSH_TOKENS, vocab))
                 after = json.loads(rank0.read_text())
                 out[variant][str(length)] = stage_delta(before, after, args.layers)
         except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status

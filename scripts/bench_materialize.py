@@ -70,6 +70,12 @@ HISTORIES = (8 * 1024, 32 * 1024, 128 * 1024)
 CP_SIZES = (2, 4, 8)
 
 
+def _median(values):
+    """The middle value (the upper one of an even count), as every figure here is taken."""
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 #: bytes per token row of SGLang's two in-seq all-gathers of a chunk's KV: the bf16 latent
 #: (512 + 64 values) and the bf16 index key (128 values), whatever the KV cache dtype
 SGLANG_CHUNK_ROW_BYTES = {"latent": 2 * 576, "index_key": 2 * 128}
@@ -124,7 +130,7 @@ def _cpu_worker(rank, n, port, history, row_bytes, reps, out_path):
                       shard, page_map.history_send, dist.group.WORLD)
         times.append(time.perf_counter() - t)
     if rank == 0:
-        Path(out_path).write_text(json.dumps(sorted(times)[len(times) // 2]))
+        Path(out_path).write_text(json.dumps(_median(times)))
     dist.destroy_process_group()
 
 
@@ -160,7 +166,7 @@ def gpu_pack(shape, dtype, n, history):
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    t = sorted(samples)[len(samples) // 2]
+    t = _median(samples)
     moved = 2 * send.numel() * words * 8  # read + write
     return {"pack_us": round(t * 1e6, 1), "pack_gb_per_s": round(moved / t / 1e9, 1)}
 
@@ -237,7 +243,7 @@ def _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps):
             everyone = [None] * nprocs
             dist.all_gather_object(everyone, samples)
             if rank == 0:
-                median = {name: sorted(max(r[name][i] for r in everyone) for i in range(reps))[reps // 2]
+                median = {name: _median(max(r[name][i] for r in everyone) for i in range(reps))
                           for name in samples}
                 rows.append({
                     "chunk_tokens": chunk, "cp_size": nprocs, "kv_cache_dtype": dtype,
@@ -335,23 +341,21 @@ def _overlap_samples(device, kind, reps, ours, pull) -> dict:
     m, k, n = OVERLAP_GEMM
     a = torch.randn((m, k), dtype=torch.bfloat16, device=device)
     b = torch.randn((k, n), dtype=torch.bfloat16, device=device)
-    variants = {"alone": None, "with_nccl": ours, "with_pull": pull}
-    variants = {name: fn for name, fn in variants.items() if name == "alone" or fn is not None}
+    gathers = {name: fn for name, fn in (("nccl", ours), ("pull", pull)) if fn is not None}
+    variants = {"alone": None, **gathers}
     for fn in variants.values():
         _overlapped(fn, device, a, b)
     samples = {name: [] for name in variants}
     for _ in range(reps):
         for name, fn in variants.items():
             samples[name].append(_overlapped(fn, device, a, b))
-    out = {}
-    for name, pairs in samples.items():
-        gemm = sorted(g for g, _ in pairs)[reps // 2]
-        out[f"gemm_{name}_us"] = round(gemm * 1e6, 1)
-        if name != "alone":
-            out[f"gather_{name[5:]}_overlapped_us"] = round(sorted(t for _, t in pairs)[reps // 2] * 1e6, 1)
-    for name in variants:
-        if name != "alone":
-            out[f"gemm_slowdown_{name[5:]}"] = round(out[f"gemm_{name}_us"] / out["gemm_alone_us"], 3)
+    gemm_us = {name: round(_median(g for g, _ in pairs) * 1e6, 1) for name, pairs in samples.items()}
+    out = {"gemm_alone_us": gemm_us["alone"]}
+    for name in gathers:
+        out[f"gemm_with_{name}_us"] = gemm_us[name]
+        out[f"gather_{name}_overlapped_us"] = round(_median(t for _, t in samples[name]) * 1e6, 1)
+    for name in gathers:
+        out[f"gemm_slowdown_{name}"] = round(gemm_us[name] / gemm_us["alone"], 3)
     return out
 
 
@@ -438,7 +442,7 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
             dist.all_gather_object(everyone, samples)
             if rank == 0:
                 slowest = {name: [max(r[name][i] for r in everyone) for i in range(reps)] for name in samples}
-                median = {name: sorted(v)[len(v) // 2] for name, v in slowest.items()}
+                median = {name: _median(v) for name, v in slowest.items()}
                 out_bytes = nprocs * page_map.history_pad * words * 8
                 bus = lambda t: out_bytes / t * (nprocs - 1) / nprocs / 1e9  # noqa: E731
                 rows.append({

@@ -219,7 +219,7 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             return None  # in-seq-split CP prefill runs one request per batch
         layout = self.cp_layout
         split = page_aligned_split(int(prefix_lens_cpu[0]), int(seq_lens_cpu[0]), self.page_size, layout.cp_size)
-        self._read_decisions(wait=self._check_allocations)
+        self._read_decisions(wait=False)  # those the device has made since (debug mode reads each at once)
         if split is None:
             self._stats.short_chunks += 1
             return None

@@ -79,7 +79,12 @@ def owned_rows_of(layout: CpSharedKVLayout, state: Optional[CpSharedBatchState],
     """
     if state is not None and loc is state.out_cache_loc:
         return state.owned_rows, state.owned_physical_locs
-    rows = layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1)
+    return _with_physical_locs(layout, loc, layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1))
+
+
+def _with_physical_locs(layout: CpSharedKVLayout, loc: torch.Tensor,
+                        rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``rows``, the physical locations of ``loc`` at those rows, which this rank owns)."""
     return rows, layout.logical_locs_to_physical(loc.index_select(0, rows), validate=False)
 
 
@@ -106,8 +111,8 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
     # NOTE: the owned-row count rides in the page map's host read, the forward's only
     # synchronisation; nonzero_static then needs none (nonzero would read its size)
     page_map = build_dense_page_map(layout, seq_pages, history_pages, read_also=(owned.sum(),))
-    owned_rows = torch.nonzero_static(owned, size=page_map.read_also[0]).squeeze(1)
-    owned_physical_locs = layout.logical_locs_to_physical(out_cache_loc.index_select(0, owned_rows), validate=False)
+    owned_rows, owned_physical_locs = _with_physical_locs(
+        layout, out_cache_loc, torch.nonzero_static(owned, size=page_map.read_also[0]).squeeze(1))
     page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
     # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.
     dense_out_locs = kernels.remap_locs(out_cache_loc, page_inverse, page_size)

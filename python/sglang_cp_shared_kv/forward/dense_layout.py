@@ -150,7 +150,8 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     extra = [t.reshape(1).to(torch.int64) for t in read_also]
     host = torch.cat([counts.max(dim=1).values, runs, owners[history_pages:], *extra]).tolist()
     history_pad, current_pad = int(host[0]), int(host[1])
-    current_owners = tuple(int(x) for x in host[6: 6 + num_pages - history_pages])
+    owners_end = 6 + num_pages - history_pages  # 2 block sizes, 2 x (run, is run), the current owners
+    current_owners = tuple(int(x) for x in host[6: owners_end])
     history_run = int(host[2]) if host[3] else _NO_RUN
     current_run = int(host[4]) if host[5] else _NO_RUN
     hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
@@ -170,5 +171,5 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
         current_owners=current_owners,
         history_run=history_run,
         current_run=current_run,
-        read_also=tuple(int(x) for x in host[6 + num_pages - history_pages:]),
+        read_also=tuple(int(x) for x in host[owners_end:]),
     )
