@@ -75,9 +75,34 @@ def init_accepting_flag(original, self, *args, **kwargs):
 
 
 def add_flag_to_parser(result, parser, *args, **kwargs):
-    """AFTER ``ServerArgs.add_cli_args``."""
+    """AFTER ``ServerArgs.add_cli_args``: the flag, which never takes a stock option's
+    abbreviation (:func:`stock_options_keep_their_abbreviations`)."""
     parser.add_argument(FLAG, dest=FLAG_DEST, action="store_true", help=FLAG_HELP)
+    stock_options_keep_their_abbreviations(parser, FLAG)
     return result
+
+
+def stock_options_keep_their_abbreviations(parser, option: str) -> None:
+    """An abbreviation that matches a stock option and ``option`` resolves to the stock one.
+
+    NOTE: SGLang's parser allows abbreviations (argparse's default), and the flag extends
+    the prefix of ``--enable-nsa-prefill-context-parallel``: without this, the stock
+    command line ``--enable-nsa-prefill`` would fail as ambiguous once the plugin is
+    installed, flag off too. argparse has no per-option switch, so this narrows the
+    parser's own prefix matcher (``_get_option_tuples``, CPython 3.8-3.13; the action is
+    each match's first element). Abbreviations of the flag alone still work.
+    """
+    find = getattr(parser, "_get_option_tuples", None)
+    if find is None:  # a future argparse: exact spellings still parse
+        logger.debug("CP shared KV: argparse has no _get_option_tuples; abbreviations unchanged")
+        return
+
+    def option_tuples(option_string):
+        matches = find(option_string)
+        stock = [match for match in matches if option not in match[0].option_strings]
+        return stock or matches
+
+    parser._get_option_tuples = option_tuples
 
 
 def from_cli_args_with_flag(original, cls, args, *rest, **kwargs):
@@ -239,6 +264,11 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "it splits a prefill forward into two micro-batches, each with its own attention "
                "metadata, while shared KV builds one dense view per forward; not supported with "
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
+    if getattr(server_args, "use_ray", False):
+        refuse("--use-ray",
+               "SGLang's Ray scheduler actors do not load plugins (ray/scheduler_actor.py), so "
+               "every CP rank would run stock, replicated KV while this process reports shared KV "
+               "on; launch the prefill server without --use-ray.")
     if server_args.prefill_only_disable_kv_cache:
         refuse("--prefill-only-disable-kv-cache",
                "shared KV needs the paged KV cache; remove --prefill-only-disable-kv-cache.")

@@ -37,6 +37,18 @@ def test_cli_flag_reaches_server_args(tiny_nsa_model):
     on.check_server_args()  # a valid shared-KV configuration passes SGLang's and our checks
 
 
+def test_stock_abbreviations_parse_as_without_the_plugin(tiny_nsa_model):
+    # SGLang's parser allows abbreviations; "--enable-nsa-prefill" is stock's short form of
+    # --enable-nsa-prefill-context-parallel and must not become ambiguous with the flag.
+    from sglang.srt.server_args import prepare_server_args
+
+    argv = [a for a in _argv(tiny_nsa_model) if a != "--enable-nsa-prefill-context-parallel"]
+    short = prepare_server_args([*argv, "--enable-nsa-prefill"])
+    assert short.enable_nsa_prefill_context_parallel and not is_enabled(short)
+    own = prepare_server_args([*argv, "--enable-nsa-prefill-context-parallel", "--enable-nsa-prefill-cp-sh"])
+    assert is_enabled(own)  # the flag's own abbreviations still work
+
+
 def test_config_yaml(tiny_nsa_model, tmp_path):
     from sglang.srt.server_args import prepare_server_args
 

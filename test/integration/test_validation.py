@@ -43,6 +43,7 @@ REFUSALS = {
                                  "flashmla_auto picks flashmla_kv for fp8 KV on Hopper"),
     "two_batch_overlap": ({}, {"enable_two_batch_overlap": True}, {}, "--enable-two-batch-overlap",
                           "Remove --enable-two-batch-overlap from the prefill server"),
+    "ray_scheduler_actors": ({}, {"use_ray": True}, {}, "--use-ray", "launch the prefill server without --use-ray"),
     "prefill_only_no_kv_cache": ({}, {"prefill_only_disable_kv_cache": True}, {},
                                  "--prefill-only-disable-kv-cache", "remove --prefill-only-disable-kv-cache"),
 }
