@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 CAUSE_LENGTH_FIELD = b"\xff\xff\xff\xff"
 CAUSE_PREFIX = b"sglang-cp-shared-kv failure cause:"
@@ -47,14 +47,16 @@ def parse_failure_cause(msg: Sequence[bytes]) -> Optional[Tuple[int, str]]:
 
 
 class BoundedRooms:
-    """room -> text, forgetting the oldest beyond a bound (rooms are random 64-bit ids)."""
+    """room -> text (or whatever its user keeps per room), forgetting the oldest beyond a
+    bound (rooms are random 64-bit ids)."""
 
     def __init__(self, bound: int = MAX_TRACKED_ROOMS):
         self._bound = bound
-        self._items: "collections.OrderedDict[int, str]" = collections.OrderedDict()
+        self._items: "collections.OrderedDict[int, Any]" = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, room: int, text: str, *, append: bool = False) -> None:
+    def put(self, room: int, text: Any, *, append: bool = False) -> None:
+        """``append``: join ``text`` to the room's earlier text with " | " (texts only)."""
         with self._lock:
             previous = self._items.get(room) if append else None
             self._items[room] = text if previous is None else f"{previous} | {text}"
@@ -62,11 +64,11 @@ class BoundedRooms:
             while len(self._items) > self._bound:
                 self._items.popitem(last=False)
 
-    def get(self, room: int) -> Optional[str]:
+    def get(self, room: int) -> Optional[Any]:
         with self._lock:
             return self._items.get(room)
 
-    def pop(self, room: int) -> Optional[str]:
+    def pop(self, room: int) -> Optional[Any]:
         with self._lock:
             return self._items.pop(room, None)
 

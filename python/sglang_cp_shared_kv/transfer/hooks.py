@@ -90,7 +90,9 @@ def fail_unsent_room_on_release(original, req, *args, **kwargs):
     kv_mgr = getattr(sender, "kv_mgr", None)
     context = prefill_transfer(kv_mgr) if kv_mgr is not None else None
     if context is not None:
-        context.fail_unsent_room(kv_mgr, sender.bootstrap_room, "the prefill aborted the request before it ran")
+        # record=False: SGLang drops this sender without reading its failure (no failure_exception)
+        context.fail_unsent_room(kv_mgr, sender.bootstrap_room, "the prefill aborted the request before it ran",
+                                 record=False)
     return original(req, *args, **kwargs)
 
 

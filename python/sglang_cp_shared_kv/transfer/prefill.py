@@ -50,11 +50,34 @@ logger = logging.getLogger(__name__)
 _CONTEXT_ATTR = "_cp_shared_kv_shard_transfer"
 _CONTEXT_LOCK = threading.Lock()
 
-#: Set to True on SGLang's ``TransferInfo`` (one room, one decode session) whose NSA index
-#: write failed. ``transfer_worker`` passes that same object to ``maybe_send_extra`` and,
-#: right after, to ``send_aux`` (SGLang 0.5.12.post1, mooncake/conn.py 1230, 1345, 1353), so the
-#: aux hook reads it there; it goes when SGLang drops the room's ``transfer_infos``.
-_STATE_WRITE_FAILED_ATTR = "_cp_shared_kv_state_write_failed"
+#: Set (to the reason) on SGLang's ``TransferInfo`` (one room, one decode session) once the
+#: room failed on this rank: rejected before enqueueing, aborted, or its NSA index write
+#: failed. ``transfer_worker`` passes that same object to ``maybe_send_extra`` and, right
+#: after, to ``send_aux`` (SGLang 0.5.12.post1, mooncake/conn.py 1230, 1345, 1353), whose hook
+#: withholds the aux write for it. NOTE: the mark, not the bounded room map, is what guards
+#: the aux write: it lives exactly as long as SGLang holds the room's ``transfer_infos``, so
+#: no burst of other failures can make it forgotten (and a rank report Success).
+_FAILED_ATTR = "_cp_shared_kv_failed"
+
+
+def room_targets(kv_mgr, room) -> tuple:
+    """The ``TransferInfo`` of each decode target ``room`` has registered with this rank.
+
+    NOTE: SGLang's bootstrap thread adds to ``transfer_infos[room]`` while decode registers;
+    ``tuple(dict.values())`` copies it in one C call under the GIL, where iterating it in
+    Python on the scheduler thread could raise "dictionary changed size during iteration"."""
+    return tuple(kv_mgr.transfer_infos.get(room, {}).values())
+
+
+def registration_complete(targets: tuple) -> bool:
+    """Whether every decode target of the room has registered (SGLang sets the room
+    WaitingForInput at that moment, mooncake/conn.py 1445-1454)."""
+    return bool(targets) and len(targets) >= targets[0].required_dst_info_num
+
+
+def mark_failed(targets, reason: str) -> None:
+    for info in targets:
+        setattr(info, _FAILED_ATTR, reason)
 
 
 class WriteFailureHandOff(threading.local):
@@ -134,7 +157,11 @@ class PrefillShardTransfer:
         self.write_failures = WriteFailureHandOff()
         self._rejected = BoundedRooms()
         self._abort_notices = AbortNotices()
-        self._aborted_unregistered = BoundedRooms()  # aborted before decode registered: told on registration
+        # room -> (cause, session ids told): aborted before all of decode registered; the
+        # rest are told on registration. The lock makes "read the targets, keep the room"
+        # one step against the bootstrap thread's "registered: pop the room".
+        self._aborted_unregistered = BoundedRooms()
+        self._registration_lock = threading.Lock()
         logger.info(
             "CP shared KV transfer: cp_rank=%d/%d sends only the pages it owns (MLA KV by request "
             "position, NSA index by sequence position); Mooncake batches of at most %d descriptors",
@@ -206,7 +233,7 @@ class PrefillShardTransfer:
     @staticmethod
     def _destinations(kv_mgr, room) -> List[Destination]:
         out = []
-        for info in kv_mgr.transfer_infos.get(room, {}).values():
+        for info in room_targets(kv_mgr, room):
             if info.is_dummy:
                 continue
             registration = kv_mgr.decode_kv_args_table.get(info.mooncake_session_id)
@@ -229,7 +256,7 @@ class PrefillShardTransfer:
         return None
 
     def _kv_descriptors(self, kv_mgr, room, physical_pages, positions) -> int:
-        for info in kv_mgr.transfer_infos.get(room, {}).values():
+        for info in room_targets(kv_mgr, room):
             if not info.is_dummy:
                 return kv_descriptors(physical_pages, positions, info.dst_kv_indices, self.kv_layers)
         return 0
@@ -240,18 +267,21 @@ class PrefillShardTransfer:
         self.stats.add(rejected_requests=1)
         self.counters.count("failures", "rejected")
         self._rejected.put(room, message)
+        mark_failed(room_targets(kv_mgr, room), message)
         kv_mgr.record_failure(room, message)
         # SGLang's transfer worker is what tells decode: hand it one empty last chunk,
         # whose aux write send_aux withholds -> Failed on both sides.
         return original(kv_mgr, room, np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), True,
                         aux_index=0 if aux_index is None else aux_index, state_indices=None)
 
-    def fail_unsent_room(self, kv_mgr, room, why: str) -> bool:
+    def fail_unsent_room(self, kv_mgr, room, why: str, *, record: bool = True) -> bool:
         """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now
         instead of after its waiting timeout -- the cause, then SGLang's Failed status, to
         every decode target of the room. Any chunk of the room still to come is dropped and
-        its aux write withheld. When decode has not registered the room with this rank yet,
-        it is told when it does (:meth:`tell_late_registration`). False when the room has
+        its aux write withheld. Targets that have not registered the room with this rank
+        yet are told when they have (:meth:`tell_late_registration`). ``record``: keep the
+        cause for the prefill's own ``failure_exception`` (False where SGLang never reads
+        it, which would leave it in ``failure_records`` for good). False when the room has
         concluded or was already failed (nothing to tell).
 
         NOTE: sent from the caller's thread (SGLang's scheduler, which aborts), on sockets
@@ -264,35 +294,49 @@ class PrefillShardTransfer:
             return False
         message = f"{self.who}: room {room} ends unsent: {why}"
         self._rejected.put(room, message)
-        kv_mgr.record_failure(room, message)
+        if record:
+            kv_mgr.record_failure(room, message)
         self.stats.add(aborted_requests=1)
         self.counters.count("failures", "aborted")
-        if not self._tell_decode(kv_mgr, room, message):
-            self._aborted_unregistered.put(room, message)
-            logger.info("CP shared KV transfer: %s; decode has not registered it yet: told when it does", message)
+        with self._registration_lock:
+            targets = room_targets(kv_mgr, room)
+            mark_failed(targets, message)
+            told = self._tell_decode(kv_mgr, room, message, targets)
+            complete = registration_complete(targets)
+            if not complete:
+                self._aborted_unregistered.put(room, (message, told))
+        if not complete:
+            logger.info("CP shared KV transfer: %s; %d decode target(s) told, the rest when they register",
+                        message, len(told))
         return True
 
     def tell_late_registration(self, kv_mgr, room, status) -> None:
-        """After SGLang's bootstrap thread set ``room`` WaitingForInput (decode registered it
-        with this rank): a room aborted before that is failed on decode now, instead of
-        waiting there for its timeout."""
-        if status == sg.KVPoll.WaitingForInput and len(self._aborted_unregistered):
-            message = self._aborted_unregistered.pop(room)
-            if message is not None:
-                self._tell_decode(kv_mgr, room, message)
+        """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
+        registered it with this rank): the targets of a room aborted before that, not told
+        yet, are failed now instead of waiting for their timeout."""
+        if status != sg.KVPoll.WaitingForInput or not len(self._aborted_unregistered):
+            return
+        with self._registration_lock:
+            pending = self._aborted_unregistered.pop(room)
+        if pending is not None:
+            message, told = pending
+            targets = room_targets(kv_mgr, room)
+            mark_failed(targets, message)
+            self._tell_decode(kv_mgr, room, message,
+                              tuple(info for info in targets if info.mooncake_session_id not in told))
 
-    def _tell_decode(self, kv_mgr, room, message: str) -> bool:
-        """The cause and SGLang's Failed status to every decode target the room has on this
-        rank; False when it has none yet."""
-        targets = [info for info in kv_mgr.transfer_infos.get(room, {}).values() if not info.is_dummy]
+    def _tell_decode(self, kv_mgr, room, message: str, targets) -> frozenset:
+        """The cause and SGLang's Failed status to each of ``targets`` (dummies skipped);
+        the session ids told."""
+        targets = [info for info in targets if not info.is_dummy]
         if not targets:
-            return False
+            return frozenset()
         status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
         for info in targets:
             self._abort_notices.send(info.endpoint, info.dst_port, [
                 encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), status_frames])
         logger.info("CP shared KV transfer: %s; decode told it failed (%d target(s))", message, len(targets))
-        return True
+        return frozenset(info.mooncake_session_id for info in targets)
 
     # ----------------------------------------------------------- Mooncake writes
     def write(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
@@ -347,12 +391,12 @@ class PrefillShardTransfer:
                 kv_mgr, req.room, "state", rc,
                 f"the NSA index state of room {req.room} ({owned_pages} pages, {descriptors} descriptors) "
                 f"to decode {req.endpoint}:{req.dst_port}")
-            setattr(req, _STATE_WRITE_FAILED_ATTR, True)
+            mark_failed((req,), "its NSA index write failed")
         return rc
 
     def send_aux(self, original, kv_mgr, req, prefill_aux_index, dst_aux_ptrs):
         """``send_aux`` unless the request already failed (rejected, or its index write)."""
-        if self._rejected.get(req.room) is not None or getattr(req, _STATE_WRITE_FAILED_ATTR, False):
+        if getattr(req, _FAILED_ATTR, None) is not None or self._rejected.get(req.room) is not None:
             return -1  # the request already failed; SGLang makes a failed aux write Failed on both sides
         ret = original(kv_mgr, req, prefill_aux_index, dst_aux_ptrs)
         if ret != 0:
@@ -466,5 +510,6 @@ def transfer_stats(kv_mgr) -> Optional[Dict[str, Any]]:
 
 
 __all__ = ["WriteFailureHandOff", "PrefillShardTransfer", "AbortNotices", "prefill_unique_rank",
+           "room_targets", "registration_complete", "mark_failed",
            "send_failure_cause", "prefill_transfer", "built_prefill_transfer",
            "transfer_stats"]
