@@ -23,12 +23,13 @@ from typing import Tuple
 from sglang_cp_shared_kv import hook_check
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.config import FLAG, PREFETCH_ENV, is_enabled, prefetch_enabled
+from sglang_cp_shared_kv.config import DEBUG_ENV, FLAG, PREFETCH_ENV, debug_enabled, is_enabled, prefetch_enabled
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
 from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
 from sglang_cp_shared_kv.page_split import page_by_page_chunk_unit
 from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
+from sglang_cp_shared_kv.rank_settings import check_ranks_agree
 from sglang_cp_shared_kv.server_args import validate
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,9 @@ def build_pools(original, runner, *args, **kwargs):
         raise RuntimeError(f"{FLAG}: the pools are being built before the capacity split ran")
     context = CpSharedKVContext(layout_for_runner(runner),
                                 metrics_enabled=bool(getattr(runner.server_args, "enable_metrics", False)))
+    # Before anything depends on them: both change which collectives this rank issues.
+    check_ranks_agree(sg.get_attention_cp_group().cpu_group,
+                      {PREFETCH_ENV: prefetch_enabled(), DEBUG_ENV: debug_enabled()})
     if prefetch_enabled():
         context.prefetch_group = new_prefetch_group()
         logger.info("CP shared KV: MLA history prefetch on (%s=1): one layer ahead on its own communicator",

@@ -31,6 +31,26 @@ def test_counts_the_plugins_synchronising_calls_by_phase_and_site():
     assert all(s.startswith("forward/batch_state.py:") for s in report["layer 0"])
 
 
+def test_a_view_of_the_batchs_out_cache_loc_reuses_its_owned_rows_without_a_host_read():
+    from types import SimpleNamespace
+
+    layout = CpSharedKVLayout(64, 3, 1)
+    loc = torch.arange(64, 64 * 9)
+    rows, physical = owned_rows_of(layout, None, loc)
+    state = SimpleNamespace(out_cache_loc=loc, owned_rows=rows, owned_physical_locs=physical)
+    counter = HostSyncCounter()
+    with counter.counting():
+        counter.at_layer(0)
+        for same in (loc, loc.contiguous(), loc.view(-1), loc[:]):
+            assert owned_rows_of(layout, state, same)[0] is rows
+        assert not counter.report()
+        copy_rows, copy_physical = owned_rows_of(layout, state, loc.clone())  # another tensor: filtered
+        assert torch.equal(copy_rows, rows) and torch.equal(copy_physical, physical)
+        assert owned_rows_of(layout, state, loc[1:])[0] is not rows  # another range of the memory
+        counter.at_layer(None)
+    assert sum(counter.report()["layer 0"].values()) == 2
+
+
 def test_boolean_masks_and_repeat_interleave_without_a_size_count_the_rest_does_not():
     from sglang_cp_shared_kv.testing import host_syncs
 

@@ -17,8 +17,8 @@ entry, :meth:`KernelDispatch.remap_locs`), so the indexer's fused top-k (which b
 indices from ``page_table_1``), the index reads and the attention kernels all address the
 dense scratch, untouched.
 
-Host synchronisation: two per batch (the owned-row count and the dense block sizes);
-none per layer.
+Host synchronisation: one per batch (the page map's read, which carries the owned-row
+count too); none per layer.
 """
 
 from __future__ import annotations
@@ -74,12 +74,22 @@ def owned_rows_of(layout: CpSharedKVLayout, state: Optional[CpSharedBatchState],
                   loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(rows of ``loc`` this rank owns, their physical locations).
 
-    The batch's own ``out_cache_loc`` reuses the rows computed once per forward; any
+    The batch's own ``out_cache_loc`` -- the tensor itself or a view of the same memory
+    (``.contiguous()`` or ``.view`` of it) -- reuses the rows computed once per forward; any
     other location tensor is filtered here (one host synchronisation).
     """
-    if state is not None and loc is state.out_cache_loc:
+    if state is not None and _same_memory(loc, state.out_cache_loc):
         return state.owned_rows, state.owned_physical_locs
     return _with_physical_locs(layout, loc, layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1))
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` reads exactly ``b``'s elements (same storage, offset, shape, strides, dtype).
+
+    NOTE: ``out_cache_loc`` is not written during a forward, so equal memory means equal
+    locations; a writer's ``.contiguous()`` of it is the same tensor, not a copy."""
+    return a is b or (a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
 
 
 def _with_physical_locs(layout: CpSharedKVLayout, loc: torch.Tensor,

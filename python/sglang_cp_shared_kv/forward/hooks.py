@@ -134,9 +134,9 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
         chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
     # prefetched during the layer before, or gathered now
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
-    prefetch.prefetch_next(state, pool, layer.layer_id)
-    pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
     try:
+        prefetch.prefetch_next(state, pool, layer.layer_id)
+        pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
     finally:
         pool.clear_views()  # this layer's index reads are done too
