@@ -32,6 +32,10 @@ INDEX_QUANT_BLOCK = 128  # index K values share one fp32 scale per block
 #: NSA index buffer (and so our layout, kernels and transfer) is built around it.
 PAGE_SIZE = 64
 
+#: Pages at the start of every dense view that no sequence page maps to: the dense dummy
+#: page, where SGLang's padding rows (location 0) and table entries past the sequence point.
+DENSE_DUMMY_PAGES = 1
+
 #: The latent and indexer dimensions of every NSA model we support (DeepSeek-V3.2, GLM-5);
 #: the fused store kernels are specialised for them.
 NSA_KV_LORA_RANK = 512

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, logical_tokens_for
-from sglang_cp_shared_kv.kv_geometry import GIB, PAGE_SIZE, NsaModelShape, normalize_kv_cache_dtype
+from sglang_cp_shared_kv.kv_geometry import DENSE_DUMMY_PAGES, GIB, PAGE_SIZE, NsaModelShape, normalize_kv_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,12 @@ class RequestPlan:
     pages: int
     fits_replicated: bool
     fits_shared: bool
+    #: pages of one rank's block in the dense view of the request's last layer-read
     scratch_pages_per_rank: int
     scratch_mla_bytes_per_layer: int
     scratch_index_bytes_per_layer: int
+    #: MLA views alive at once with SGLANG_CP_SHARED_KV_PREFETCH=1: this layer's and the next
+    scratch_mla_bytes_with_prefetch: int
     pd_bytes_replicated: int
     pd_send_per_rank: List[RankSend]
 
@@ -75,7 +78,11 @@ def pages_owned_per_rank(num_pages: int, cp_size: int) -> List[int]:
 def plan_request(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str,
                  logical_tokens: int, physical_tokens: int, context_len: int) -> RequestPlan:
     pages = -(-context_len // PAGE_SIZE)
-    padded = -(-pages // cp_size)
+    # NOTE: the dense view pads the history and the current chunk's pages to a rank block
+    # each (forward.dense_layout), so with balanced ownership a block holds at most one page
+    # more than ceil(pages / N); the view also starts with the dense dummy page.
+    padded = -(-pages // cp_size) + 1
+    dense_pages = DENSE_DUMMY_PAGES + cp_size * padded
     mla_page = PAGE_SIZE * shape.mla_row_bytes(kv_cache_dtype)
     index_page = PAGE_SIZE * shape.index_row_bytes
     sends = [
@@ -90,8 +97,9 @@ def plan_request(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str,
         fits_replicated=pages * PAGE_SIZE <= physical_tokens,
         fits_shared=pages * PAGE_SIZE <= logical_tokens,
         scratch_pages_per_rank=padded,
-        scratch_mla_bytes_per_layer=cp_size * padded * mla_page,
-        scratch_index_bytes_per_layer=cp_size * padded * index_page,
+        scratch_mla_bytes_per_layer=dense_pages * mla_page,
+        scratch_index_bytes_per_layer=dense_pages * index_page,
+        scratch_mla_bytes_with_prefetch=2 * dense_pages * mla_page,
         pd_bytes_replicated=pages * (mla_page + index_page) * shape.num_layers,
         pd_send_per_rank=sends,
     )
@@ -172,7 +180,9 @@ def format_plan(plan: CapacityPlan) -> str:
             f"fits replicated: {'yes' if req.fits_replicated else 'no'}, "
             f"fits shared: {'yes' if req.fits_shared else 'no'}",
             f"materialize scratch/layer  MLA {_mib(req.scratch_mla_bytes_per_layer)} + index "
-            f"{_mib(req.scratch_index_bytes_per_layer)} ({plan.cp_size} x {req.scratch_pages_per_rank:,} padded pages)",
+            f"{_mib(req.scratch_index_bytes_per_layer)} (at most 1 + {plan.cp_size} x "
+            f"{req.scratch_pages_per_rank:,} pages; MLA {_mib(req.scratch_mla_bytes_with_prefetch)} "
+            "with SGLANG_CP_SHARED_KV_PREFETCH=1)",
             f"PD send, replicated        {_gib(req.pd_bytes_replicated)} from one sender "
             f"(decode holds the same per GPU for this request)",
         ]

@@ -103,3 +103,20 @@ def test_bad_history_count_is_rejected():
 
     with pytest.raises(ValueError, match="history_pages"):
         build_dense_page_map(CpSharedKVLayout(PAGE, 2, 0), torch.tensor([1, 2]), history_pages=3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 8), num_pages=st.integers(1, 200), data=st.data())
+def test_the_planners_scratch_bounds_the_dense_view_of_consecutive_pages(n, num_pages, data):
+    # The planner's "materialize scratch/layer" (freshly allocated consecutive pages, i.e.
+    # balanced ownership) must not be below what the view really takes, at any chunk boundary.
+    from sglang_cp_shared_kv.kv_geometry import NsaModelShape
+    from sglang_cp_shared_kv.planner import plan_capacity
+
+    start = data.draw(st.integers(1, 50))
+    history = data.draw(st.integers(0, num_pages))
+    view = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), torch.arange(start, start + num_pages), history)
+    plan = plan_capacity(NsaModelShape.load("glm-5"), n, "bf16", kv_tokens_per_rank=1 << 20,
+                         context_len=num_pages * PAGE).request
+    assert view.num_dense_pages <= DENSE_DUMMY_PAGES + n * plan.scratch_pages_per_rank
+    assert plan.scratch_index_bytes_per_layer == (DENSE_DUMMY_PAGES + n * plan.scratch_pages_per_rank) * PAGE * 132

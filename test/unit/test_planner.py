@@ -57,9 +57,11 @@ def test_gb_sizing_inverts_token_sizing():
 def test_request_figures_cp8_128k_fp8():
     plan = plan_capacity(DSV32, 8, "fp8_e4m3", kv_tokens_per_rank=100_000, context_len=131_072)
     req = plan.request
-    assert req.pages == 2048 and req.scratch_pages_per_rank == 256
-    assert req.scratch_mla_bytes_per_layer == 2048 * 64 * 656
-    assert req.scratch_index_bytes_per_layer == 2048 * 64 * 132
+    # 256 pages per rank block, one more for the separately padded current chunk, and the dummy page
+    assert req.pages == 2048 and req.scratch_pages_per_rank == 257
+    assert req.scratch_mla_bytes_per_layer == (1 + 8 * 257) * 64 * 656
+    assert req.scratch_index_bytes_per_layer == (1 + 8 * 257) * 64 * 132
+    assert req.scratch_mla_bytes_with_prefetch == 2 * req.scratch_mla_bytes_per_layer
     assert [s.pages for s in req.pd_send_per_rank] == [256] * 8
     assert sum(s.kv_bytes + s.index_bytes for s in req.pd_send_per_rank) == req.pd_bytes_replicated
     assert not req.fits_replicated and req.fits_shared

@@ -35,8 +35,7 @@ from typing import Sequence, Tuple
 import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-
-DENSE_DUMMY_PAGES = 1
+from sglang_cp_shared_kv.kv_geometry import DENSE_DUMMY_PAGES
 
 
 @dataclass(frozen=True)
