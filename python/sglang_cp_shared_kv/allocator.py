@@ -226,6 +226,10 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
         ranks = split.new_page_ranks()
         if self.need_sort and len(self.release_pages):
             self.merge_and_sort_free()  # every free page is a candidate for its lane
+        if self.free_pages.numel() < len(ranks):
+            # NOTE: the whole pool lacks the pages (a host-side count, no read): SGLang's own
+            # alloc_extend reports it out of memory; no lane is to blame, so no fallback
+            return None
         # NOTE: decided on the device (no host read under the overlap schedule); counted later
         self.free_pages, found = compute_owner_order_on_device(self.free_pages, ranks, layout.cp_size,
                                                                self.size // self.page_size + 1)

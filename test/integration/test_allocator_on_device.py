@@ -78,3 +78,14 @@ def test_a_lane_fallback_is_counted_and_warned_once(caplog):
     assert (stats.compute_owner_chunks, stats.lane_fallbacks) == (0, 2)
     fallbacks = [r for r in caplog.records if "too few free pages for a 4-page chunk" in r.getMessage()]
     assert [r.levelno for r in fallbacks] == [logging.WARNING, logging.DEBUG]
+
+
+def test_a_pool_out_of_pages_is_sglangs_out_of_memory_not_a_lane_fallback(caplog):
+    t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
+    allocator = _allocator(2, 2)  # 4 free pages in all
+    with allocation_standins(), caplog.at_level(logging.DEBUG, logger="sglang_cp_shared_kv.allocator"):
+        assert allocator.alloc_extend(t(0), t(0), t(320), t(320), t(-1), 320) is None  # 5 pages
+        stats = allocator.stats
+    assert (stats.compute_owner_chunks, stats.lane_fallbacks) == (0, 0)
+    assert "too few free pages" not in caplog.text
+    assert allocator.free_pages.numel() == 4  # nothing taken
