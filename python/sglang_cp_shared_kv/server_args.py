@@ -197,7 +197,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse(f"--nsa-prefill-cp-mode {server_args.nsa_prefill_cp_mode}",
                "only the in-seq-split mode has a shared-KV materialize and transfer contract; "
                "set --nsa-prefill-cp-mode in-seq-split.")
-    if server_args.attn_cp_size <= 1:
+    if server_args.attn_cp_size <= 1 and server_args.enable_nsa_prefill_context_parallel:  # else: the line above
         refuse(f"attention CP size {server_args.attn_cp_size}",
                "there is nothing to shard with one CP rank; with "
                "--enable-nsa-prefill-context-parallel the CP size is --tp-size / --dp-size, so "

@@ -81,9 +81,12 @@ def test_non_nsa_model_is_refused(tiny_mla_model, monkeypatch):
         server_args.check_server_args()
 
 
-def test_one_change_gives_one_problem(tiny_nsa_model, monkeypatch):
-    server_args = _build(tiny_nsa_model, {"enable_hierarchical_cache": True}, {}, {}, monkeypatch)
-    assert len(configuration_problems(server_args)) == 1
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_one_change_gives_one_problem(case, tiny_nsa_model, monkeypatch):
+    # one wrong setting, one line naming it (CP off says so once, not also "CP size 1")
+    kwargs, post, env, setting, _ = REFUSALS[case]
+    (problem,) = configuration_problems(_build(tiny_nsa_model, kwargs, post, env, monkeypatch))
+    assert problem.startswith(setting)
 
 
 def test_all_problems_are_reported_together(tiny_nsa_model, monkeypatch):
