@@ -57,7 +57,7 @@ from sglang_cp_shared_kv.testing.server import (
     e2e_env,
     post,
     prometheus_samples,
-    require_stable_topk,
+    stable_topk_problem,
     start_server,
     startup_figures,
     stop,
@@ -118,7 +118,8 @@ def launch(name, flag_on, corrupt_rank, model, port, args, log_path):
 
 def logprobs(port, ids, start):
     out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
-                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+               timeout=180)  # NOTE: a 6K-token prefill of the tiny model takes seconds; a hang must not eat the call
     return [x[0] for x in out["meta_info"]["input_token_logprobs"]]
 
 
@@ -156,6 +157,28 @@ def verdict(entry, has_history, exact):
     return checks
 
 
+def one_run(name, model, requests, args, log_path):
+    """Boot run ``name``'s server, take every prompt's logprobs, stop it: the run's record."""
+    flag_on, corrupt = RUNS[name]
+    t0 = time.monotonic()
+    proc = launch(name, flag_on, corrupt, model, args.port, args, log_path)
+    run = {"boot_s": round(time.monotonic() - t0, 1), "logprobs": {}}
+    try:
+        for prompt, (ids, start) in requests.items():
+            if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
+                post(args.port, "/flush_cache")
+            run["logprobs"][prompt] = logprobs(args.port, ids, start)
+        if flag_on:
+            run["write_paths"] = prometheus_samples(args.port, WRITE_PATHS_METRIC)
+    finally:
+        stop(proc)
+    run["startup"] = startup_figures(log_path.read_text())
+    if args.stable_topk:  # every TP rank must have taken it, else the comparison is not exact
+        problem = stable_topk_problem(run["startup"], name, log_path, args.tp)
+        run["stable_topk_problems"] = [problem] if problem else []
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="e2e_cp2_logprobs.json")
@@ -168,6 +191,7 @@ def main():
                     help="2: CP2 in-seq-split on two GPUs (default); 1: one GPU, no CP, flag-off runs only")
     ap.add_argument("--stable-topk", action="store_true",
                     help="deterministic NSA top-k in every server: demand bit equality at every position")
+    ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
     args = ap.parse_args()
     layout_runs = list(RUNS) if args.tp == 2 else list(RUNS_WITHOUT_CP)
     selected = layout_runs if args.runs is None else [r for r in args.runs.split(",") if r]
@@ -176,39 +200,35 @@ def main():
         ap.error(f"runs {unknown} are not part of --tp {args.tp}; choose from {layout_runs}")
     tag = f"{args.kv_cache_dtype}.tp{args.tp}" + (".stable-topk" if args.stable_topk else "")
     work = Path(args.workdir)
+    logdir = Path(args.logdir) if args.logdir else work
+    logdir.mkdir(parents=True, exist_ok=True)
     model = write_model(work / "tiny-dsv32", TINY_DSV32)
     os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     requests = prompts()
+    failed = {}
     for name in selected:
-        flag_on, corrupt = RUNS[name]
-        log_path = work / f"{name}.{tag}.log"
-        t0 = time.monotonic()
-        proc = launch(name, flag_on, corrupt, str(model), args.port, args, log_path)
-        run = {"boot_s": round(time.monotonic() - t0, 1), "logprobs": {}}
         try:
-            for prompt, (ids, start) in requests.items():
-                if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
-                    post(args.port, "/flush_cache")
-                run["logprobs"][prompt] = logprobs(args.port, ids, start)
-            if flag_on:
-                run["write_paths"] = prometheus_samples(args.port, WRITE_PATHS_METRIC)
-        finally:
-            stop(proc)
-        run["startup"] = startup_figures(log_path.read_text())
-        if args.stable_topk:
-            require_stable_topk(run["startup"], name, log_path)
+            run = one_run(name, str(model), requests, args, logdir / f"{name}.{tag}.log")
+        except Exception as exc:  # noqa: BLE001 -- reported; the other runs still go
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"[e2e] {name} FAILED: {failed[name]}", flush=True)
+            (work / f"{name}.{tag}.json").unlink(missing_ok=True)  # no stale run of an earlier call
+            continue
         (work / f"{name}.{tag}.json").write_text(json.dumps(run))
     runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
             for name in layout_runs if (work / f"{name}.{tag}.json").exists()}
+    topk_problems = {name: run.get("stable_topk_problems", ["not recorded"])
+                     for name, run in runs.items() if args.stable_topk}
     report = {"kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "stable_topk": args.stable_topk,
-              "index_topk": INDEX_TOPK, "runs": sorted(runs),
+              "index_topk": INDEX_TOPK, "runs": sorted(runs), "failed_runs": failed,
+              "stable_topk_problems": {name: p for name, p in topk_problems.items() if p},
               "timings": {name: {"boot_s": run["boot_s"]} for name, run in runs.items()},
               "startup": {name: run["startup"] for name, run in runs.items()},
               # prefill forwards by write path, summed over the CP ranks (flag-on runs)
               "write_paths": {name: run["write_paths"] for name, run in runs.items() if "write_paths" in run},
               "prompts": {}}
     complete = set(runs) == set(layout_runs)
-    ok = complete
+    ok = complete and not any(topk_problems.values())
     for prompt in requests:
         start = requests[prompt][1]
         results = {name: run["logprobs"][prompt] for name, run in runs.items()}

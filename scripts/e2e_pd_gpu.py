@@ -7,8 +7,10 @@ what it answers from a stock prefill, bit for bit.
 first), decode TP1 on GPU 0 (``--base-gpu-id 0 --mem-fraction-static 0.85``, started once
 the prefill is up: SGLang refuses the other order as "memory capacity is unbalanced"),
 ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both, Mooncake (TCP where there is no
-RDMA device); with CP the NSA backends are ``flashmla_sparse`` on both servers (stock
-SGLang's fp8 default ``flashmla_kv`` fails with in-seq-split, docs/troubleshooting.md).
+RDMA device); NSA backends: bf16 ``flashmla_sparse`` on both servers; fp8 with CP
+``flashmla_sparse`` on the prefill (stock SGLang's fp8 default ``flashmla_kv`` fails with
+in-seq-split, docs/troubleshooting.md) and SGLang's default on decode (its
+``flashmla_sparse`` decode reads the cache without dequantizing fp8).
 ``--cp-size 1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs only -- the
 script, the Mooncake CUDA 13 install and stock PD on one H200.
 
@@ -19,7 +21,7 @@ Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 a
   off_b       the same again: run-to-run determinism
   off_big     flag off, a prefill pool that holds the over-pool prompt: its reference
   on          flag on, POOL physical tokens per rank (N x POOL logical)       [N >= 2]
-  on_corrupt  flag on, CP rank 1 sends each chunk's first two pages swapped   [N >= 2]
+  on_corrupt  flag on, CP rank 1 sends each chunk's first page in place of its second [N >= 2]
 
 Each run posts every prompt to both servers with one bootstrap room: ``short`` (one
 chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first 4,096 tokens
@@ -38,7 +40,9 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
 
 Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
 later call while the machine is warm); the report compares what is there and passes only
-when every run of the CP size is. JSON to --out and stdout.
+when every run of the CP size is. A run that fails (a server that does not boot, a request
+that raises) is reported with its error and the next run still starts; server logs go to
+--logdir (default: --workdir). JSON to --out and stdout.
 
 Usage: python scripts/e2e_pd_gpu.py --out pd.json [--cp-size N] [--runs off,on,...]
                                     [--kv-cache-dtype bfloat16|fp8_e4m3] [--stock-topk]
@@ -60,7 +64,7 @@ from sglang_cp_shared_kv.testing.server import (
     e2e_env,
     post,
     prometheus_samples,
-    require_stable_topk,
+    stable_topk_problem,
     start_server,
     startup_figures,
     stop,
@@ -110,12 +114,17 @@ def server_commands(args, flag_on, pool, ports):
             "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch", "--random-seed", "0",
             "--kv-cache-dtype", args.kv_cache_dtype, "--disaggregation-transfer-backend", "mooncake",
             "--host", "127.0.0.1"]
-    if args.kv_cache_dtype == "bfloat16" or args.cp_size > 1:  # without CP, fp8 keeps SGLang's defaults
-        base += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    backends = ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    if args.kv_cache_dtype == "bfloat16":
+        base += backends
     prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
                       "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
                       "--max-total-tokens", str(pool)]
     decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
+    if args.cp_size > 1 and args.kv_cache_dtype != "bfloat16":
+        # NOTE: the prefill only: flashmla_kv fails with in-seq-split fp8; decode is not CP
+        # and keeps SGLang's fp8 default (its flashmla_sparse decode has no fp8 read)
+        prefill += backends
     if args.cp_size > 1:
         prefill += ["--tp", str(args.cp_size), "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode",
                     "in-seq-split", "--disable-custom-all-reduce", "--mem-fraction-static", "0.45"]
@@ -143,7 +152,9 @@ def run_env(args, corrupt_rank):
 def _answer(port, body, out, key):
     t0 = time.monotonic()
     try:
-        result = post(port, "/generate", body, timeout=300)
+        # NOTE: SGLang's waiting/bootstrap timeouts are 60 s here (run_env): a request lost
+        # in PD fails well within this
+        result = post(port, "/generate", body, timeout=150)
         out[key] = {"status": "ok", "response": result}
     except urllib.error.HTTPError as exc:
         out[key] = {"status": "http_error", "code": exc.code, "error": exc.read().decode(errors="replace")[-2000:]}
@@ -215,7 +226,7 @@ def run_servers(name, args, work, room_base):
     ports = {"prefill": args.port, "decode": args.port + 1, "bootstrap": args.port + 2}
     prefill_cmd, decode_cmd = server_commands(args, flag_on, pool, ports)
     env = run_env(args, corrupt)
-    logs = {side: work / f"{name}.{args.tag}.{side}.log" for side in ("prefill", "decode")}
+    logs = {side: args.logdir / f"{name}.{args.tag}.{side}.log" for side in ("prefill", "decode")}
     run = {"flag_on": flag_on, "prefill_pool": pool, "prompts": {}, "commands": {"prefill": prefill_cmd,
                                                                                 "decode": decode_cmd}}
     t0 = time.monotonic()
@@ -236,8 +247,10 @@ def run_servers(name, args, work, room_base):
         for proc in reversed(procs):
             stop(proc)
     run["startup"] = {side: startup_figures(path.read_text()) for side, path in logs.items()}
-    if not args.stock_topk:
-        require_stable_topk(run["startup"]["decode"], name, logs["decode"])
+    if not args.stock_topk:  # every TP rank of both servers must have taken it
+        problems = [stable_topk_problem(run["startup"][side], f"{name} {side}", logs[side], tp)
+                    for side, tp in (("prefill", args.cp_size), ("decode", 1))]
+        run["stable_topk_problems"] = [p for p in problems if p]
     return run
 
 
@@ -250,7 +263,8 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
     ap.add_argument("--port", type=int, default=32000, help="prefill port; decode +1, bootstrap +2")
-    ap.add_argument("--boot-timeout", type=int, default=600)
+    ap.add_argument("--boot-timeout", type=int, default=480)
+    ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
     args = ap.parse_args()
     if not 1 <= args.cp_size <= 8:
         ap.error(f"--cp-size {args.cp_size}: choose 1 (one GPU, no CP) to 8 (one node)")
@@ -261,15 +275,27 @@ def main() -> int:
         ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}")
     args.tag = f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
     work = Path(args.workdir)
+    args.logdir = Path(args.logdir) if args.logdir else work
+    args.logdir.mkdir(parents=True, exist_ok=True)
     args.model = write_model(work / "tiny-dsv32-32k", MODEL)
+    failed = {}
     for name in selected:
-        run = run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1))
+        try:
+            run = run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1))
+        except Exception as exc:  # noqa: BLE001 -- reported; the other runs still go
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"[e2e-pd] {name} FAILED: {failed[name]}", flush=True)
+            (work / f"{name}.{args.tag}.json").unlink(missing_ok=True)  # no stale run of an earlier call
+            continue
         (work / f"{name}.{args.tag}.json").write_text(json.dumps(run))
     runs = {name: json.loads((work / f"{name}.{args.tag}.json").read_text())
             for name in cp_runs if (work / f"{name}.{args.tag}.json").exists()}
     checks = verdict(runs)
+    for name, run in runs.items():
+        if not args.stock_topk:
+            checks[f"stable_topk:{name}"] = not run.get("stable_topk_problems", ["not recorded"])
     report = {"cp_size": args.cp_size, "kv_cache_dtype": args.kv_cache_dtype, "stable_topk": not args.stock_topk,
-              "runs": sorted(runs), "checks": checks,
+              "runs": sorted(runs), "failed_runs": failed, "checks": checks,
               "decode": {name: {prompt: {k: v for k, v in entry["decode"].items() if k != "logprobs"}
                                 for prompt, entry in run["prompts"].items()} for name, run in runs.items()},
               "max_logprob_gap": {f"{run}-{base}": {p: max_logprob_gap(runs[run]["prompts"][p]["decode"],

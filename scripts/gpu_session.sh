@@ -14,7 +14,8 @@
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
 #   TP1 noise floor on one; JSON and logs to $out);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
-#   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out);
+#   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
+#   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
 #   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
 #   SELFCHECK="--cp-size 2 ..." runs `python -m sglang_cp_shared_kv selfcheck --device cuda --json` with
@@ -59,24 +60,10 @@ status=0
 if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
 fi
-if [ -n "${E2E:-}" ]; then
-  runs=(--runs "$E2E"); [ "$E2E" = all ] && runs=()
-  python3 scripts/e2e_cp2_logprobs.py "${runs[@]}" ${E2E_ARGS:-} --workdir "$HOME/e2e-work" --out "$out/e2e.json" \
-    > "$out/e2e.txt" 2>&1 || status=1
-  cp "$HOME"/e2e-work/*.log "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
-  tail -40 "$out/e2e.txt"
-fi
-if [ -n "${TTFT:-}" ]; then
-  python3 scripts/bench_e2e_ttft.py $TTFT --workdir "$HOME/ttft-work" --out "$out/bench_e2e_ttft.json" \
-    > "$out/bench_e2e_ttft.txt" 2>&1 || status=1
-  cp "$HOME"/ttft-work/*.log "$out"/ 2>/dev/null
-  tail -20 "$out/bench_e2e_ttft.txt"
-fi
-if [ -n "${PD:-}" ]; then
-  python3 scripts/e2e_pd_gpu.py $PD --workdir "$HOME/pd-work" --out "$out/e2e_pd_gpu.json" \
-    > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
-  tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
-  grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
+# NOTE: the short jobs first, so a server run that hits the call's time limit loses only itself
+if [ -n "${MATERIALIZE:-}" ]; then
+  python3 scripts/bench_materialize.py --collective $MATERIALIZE > "$out/bench_materialize_nccl.json" \
+    2> "$out/bench_materialize_nccl.err" || { status=1; tail -5 "$out/bench_materialize_nccl.err"; }
 fi
 if [ -n "${SELFCHECK:-}" ]; then
   python3 -m sglang_cp_shared_kv selfcheck --device cuda --json $SELFCHECK > "$out/selfcheck_cuda.json" \
@@ -84,9 +71,27 @@ if [ -n "${SELFCHECK:-}" ]; then
   python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('selfcheck', d['verdict'], d['write_paths'])" \
     "$out/selfcheck_cuda.json" || tail -5 "$out/selfcheck_cuda.err"
 fi
-if [ -n "${MATERIALIZE:-}" ]; then
-  python3 scripts/bench_materialize.py --collective $MATERIALIZE > "$out/bench_materialize_nccl.json" \
-    2> "$out/bench_materialize_nccl.err" || { status=1; tail -5 "$out/bench_materialize_nccl.err"; }
+if [ -n "${E2E:-}" ]; then
+  runs=(--runs "$E2E"); [ "$E2E" = all ] && runs=()
+  python3 scripts/e2e_cp2_logprobs.py "${runs[@]}" ${E2E_ARGS:-} --workdir "$HOME/e2e-work" \
+    --logdir "$out/e2e-logs" --out "$out/e2e.json" > "$out/e2e.txt" 2>&1 || status=1
+  cp "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
+  tail -40 "$out/e2e.txt"
+fi
+if [ -n "${TTFT:-}" ]; then
+  # the work folder under $out: its server logs come back even if the call runs out of time
+  python3 scripts/bench_e2e_ttft.py $TTFT --workdir "$out/ttft-work" --out "$out/bench_e2e_ttft.json" \
+    > "$out/bench_e2e_ttft.txt" 2>&1 || status=1
+  tail -20 "$out/bench_e2e_ttft.txt"
+fi
+if [ -n "${PD:-}" ]; then
+  mkdir -p "$HOME/pd-work"
+  # runs of an earlier call on another machine (their JSON from its pd-logs.tar.xz)
+  [ -n "${PD_SEED:-}" ] && cp "$PD_SEED"/*.json "$HOME/pd-work/"
+  python3 scripts/e2e_pd_gpu.py $PD --workdir "$HOME/pd-work" --logdir "$out/pd-logs" \
+    --out "$out/e2e_pd_gpu.json" > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
+  tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
+  grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
 fi
 if [ -n "${PD_BENCH:-}" ]; then
   python3 scripts/bench_pd_transfer.py $PD_BENCH --workdir "$HOME/pd-bench-work" --out "$out/bench_pd_transfer.json" \

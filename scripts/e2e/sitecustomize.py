@@ -64,21 +64,24 @@ if os.environ.get("CPSKV_E2E") == "1":
         _PATCHES["sglang_cp_shared_kv.forward.materialize"] = lambda m: setattr(
             m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
 
-    def _swapping_sends(module, rank):
+    def _duplicating_sends(module, rank):
+        # NOTE: not a swap of two pages: attention and the top-k are blind to the order of
+        # the keys they see, so two swapped pages of a prompt shorter than index_topk give
+        # the same answer up to rounding. A page sent twice loses one page's keys for good.
         owned_pages = module.PrefillShardTransfer.owned_pages
 
-        def swapped(self, logical_pages, index_slice):
+        def duplicated(self, logical_pages, index_slice):
             physical, positions = owned_pages(self, logical_pages, index_slice)
             if self.layout.cp_rank == rank and len(physical) >= 2:
                 physical = physical.copy()
-                physical[[0, 1]] = physical[[1, 0]]
+                physical[1] = physical[0]
             return physical, positions
 
-        module.PrefillShardTransfer.owned_pages = swapped
-        print(f"[cpskv-e2e] CP rank {rank} sends swapped pages (pid {os.getpid()})", flush=True)
+        module.PrefillShardTransfer.owned_pages = duplicated
+        print(f"[cpskv-e2e] CP rank {rank} sends a page twice (pid {os.getpid()})", flush=True)
 
     if os.environ.get("CPSKV_E2E_CORRUPT_SEND_RANK"):
-        _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = lambda m: _swapping_sends(
+        _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = lambda m: _duplicating_sends(
             m, int(os.environ["CPSKV_E2E_CORRUPT_SEND_RANK"]))
 
     def _stable_topk(module):

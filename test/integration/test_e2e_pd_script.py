@@ -3,6 +3,7 @@ answer it records (answered, aborted, HTTP error), the verdict (exact, and a neg
 control that must show), and the PD corruption switch of scripts/e2e/sitecustomize.py."""
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -42,11 +43,14 @@ def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, f
     assert p.tensor_parallel_size == cp_size and d.tensor_parallel_size == 1
     assert p.enable_nsa_prefill_context_parallel == (cp_size > 1)
     assert (FLAG in prefill) == flag_on and FLAG not in decode
-    # with CP both servers run flashmla_sparse, flag off too (stock fp8's flashmla_kv crashes there)
-    sparse = dtype == "bfloat16" or cp_size > 1
-    for args in (p, d):
-        backends = (args.nsa_prefill_backend, args.nsa_decode_backend)
-        assert backends == (("flashmla_sparse",) * 2 if sparse else (None, None))
+    # bf16: flashmla_sparse on both. fp8: with CP the prefill runs flashmla_sparse, flag off too
+    # (stock fp8's flashmla_kv crashes there); decode keeps SGLang's fp8 default (its
+    # flashmla_sparse decode reads the fp8 cache without dequantizing it)
+    sparse, unset = ("flashmla_sparse",) * 2, (None, None)
+    want_prefill = sparse if dtype == "bfloat16" or cp_size > 1 else unset
+    want_decode = sparse if dtype == "bfloat16" else unset
+    assert (p.nsa_prefill_backend, p.nsa_decode_backend) == want_prefill
+    assert (d.nsa_prefill_backend, d.nsa_decode_backend) == want_decode
 
 
 def test_the_over_pool_prompt_exceeds_one_rank_and_fits_two(pd):
@@ -105,7 +109,7 @@ for rank in (0, 1):
 """
 
 
-def test_pd_corruption_switch_swaps_only_the_named_ranks_pages():
+def test_pd_corruption_switch_sends_one_page_twice_on_the_named_rank_only():
     def run(extra):
         env = {**os.environ, **extra, "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"),
                                                                      str(ROOT / "python")])}
@@ -118,5 +122,40 @@ def test_pd_corruption_switch_swaps_only_the_named_ranks_pages():
     corrupt = run({"CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_SEND_RANK": "1"})
     assert corrupt[0] == stock[0]  # rank 0 untouched
     stock_pages, corrupt_pages = stock[1].split("]")[0], corrupt[1].split("]")[0]
-    assert stock_pages != corrupt_pages and sorted(stock_pages) == sorted(corrupt_pages)
+    # its first page goes to the second page's place too: one page's keys lost (a swap would
+    # only reorder keys, which attention and the top-k cannot see)
+    assert stock_pages.startswith("RANK 1 [np.int32(1), np.int32(2),")
+    assert corrupt_pages.startswith("RANK 1 [np.int32(1), np.int32(1),")
     assert stock[1].split("]")[1] == corrupt[1].split("]")[1]  # the same positions
+
+
+def test_a_failed_run_is_reported_and_the_others_still_run(pd, tmp_path, monkeypatch):
+    answer = {"decode": {"status": "ok", "ids": [1], "logprobs": [-0.5]}, "prefill": {"status": "ok"}}
+    started = []
+
+    def run_servers(name, args, work, room_base):
+        started.append(name)
+        if name == "on":
+            raise RuntimeError("on prefill: server exited with 1; see on.log")
+        return {"prompts": {p: answer for p in pd.prompts()}, "startup": {}, "stable_topk_problems": []}
+
+    monkeypatch.setattr(pd, "run_servers", run_servers)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "on.cp2.bfloat16.json").write_text("{}")  # a stale run of an earlier call
+    monkeypatch.setattr(sys, "argv", ["e2e_pd_gpu.py", "--runs", "on,off_b", "--workdir", str(tmp_path / "work"),
+                                      "--logdir", str(tmp_path / "logs"), "--out", str(tmp_path / "pd.json")])
+    assert pd.main() == 1
+    report = json.loads((tmp_path / "pd.json").read_text())
+    assert started == ["on", "off_b"]  # off_b still ran
+    assert report["failed_runs"] == {"on": "RuntimeError: on prefill: server exited with 1; see on.log"}
+    assert report["runs"] == ["off_b"] and not report["pass"]
+    assert not (tmp_path / "work" / "on.cp2.bfloat16.json").exists()
+    assert (tmp_path / "logs").is_dir()
+
+
+def test_a_run_whose_ranks_did_not_all_take_the_stable_topk_fails_its_check(pd):
+    from sglang_cp_shared_kv.testing.server import stable_topk_problem
+
+    assert stable_topk_problem({"stable_topk_processes": 3}, "on prefill", Path("p.log"), 2) is None
+    problem = stable_topk_problem({"stable_topk_processes": 1}, "on prefill", Path("p.log"), 2)
+    assert "1 server process(es) reported it, fewer than its 2 TP rank(s)" in problem

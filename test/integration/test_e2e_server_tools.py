@@ -55,6 +55,22 @@ def test_start_post_stop(tmp_path):
     assert proc.poll() is not None
 
 
+@pytest.mark.parametrize("child_ignores_sigterm", [False, True])
+def test_stop_waits_until_every_process_of_the_server_is_gone(child_ignores_sigterm):
+    # SGLang's launcher starts its scheduler processes in its group; one still alive holds GPU
+    # memory the next server needs, so stop() must not return while any of them lives
+    import time
+
+    trap = 'trap "" TERM; ' if child_ignores_sigterm else ""
+    proc = subprocess.Popen(["sh", "-c", f"{trap}sleep 300 & sleep 300 & wait"], start_new_session=True)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    server.stop(proc, grace_s=2)
+    assert server.live_group_members(proc.pid) == []  # nothing of the group runs (zombies aside)
+    assert proc.poll() is not None
+    assert (time.monotonic() - t0 >= 2) == child_ignores_sigterm  # SIGKILL only after the grace
+
+
 def test_prometheus_samples_of_one_metric(tmp_path):
     proc, port = _start(tmp_path, "0")
     try:
