@@ -24,9 +24,14 @@ its own medians and overhead %. The flag-on servers also report their write-path
 
 Phase 2 (stage times): on and on_prefetch restarted with SGLANG_CP_SHARED_KV_NVTX=1 and
 SGLANG_CP_SHARED_KV_TIMING_DIR; per length one request between two 64-token requests
-(a forward's figures are written when the next one starts); the delta of rank 0's
-stage-times file over those requests, per forward and per layer (it includes one
+(a forward's figures are written when the next one starts); the delta of each CP rank's
+stage-times file over those requests (``cp0``, ``cp1``, ...: in-seq-split gives the ranks
+different halves of the causal work), per forward and per layer (it includes one
 64-token forward).
+
+A server that fails to start or a request that fails is reported (``errors``) and that
+server leaves the comparison; the others go on, and the JSON is rewritten after every
+round, so a call that runs out of time keeps the rounds it finished.
 
 Usage: python scripts/bench_e2e_ttft.py --out ttft.json [--lengths 16384,32768,65536,114688]
        [--runs 5] [--layers 8] [--kv-cache-dtype bfloat16] [--cp-size 2] [--skip-stage-times]
@@ -98,10 +103,12 @@ def summarize(ttft: Dict[str, Dict[int, List[float]]], base: str = "off") -> dic
     out: dict = {}
     for variant, by_length in ttft.items():
         for length, times in by_length.items():
+            if not times:  # a server that left the comparison before measuring this length
+                continue
             med = statistics.median(times)
             entry = {"runs": len(times), "median_s": round(med, 5), "min_s": round(min(times), 5),
                      "max_s": round(max(times), 5), "spread_pct": round(100 * (max(times) - min(times)) / med, 2)}
-            if variant != base and base in ttft and length in ttft[base]:
+            if variant != base and ttft.get(base, {}).get(length):
                 entry["overhead_pct"] = round(100 * (med / statistics.median(ttft[base][length]) - 1), 2)
             out.setdefault(variant, {})[str(length)] = entry
     return out
@@ -121,10 +128,15 @@ def stage_delta(before: dict, after: dict, layers: int) -> dict:
     return out
 
 
-def extend_seconds(samples: Dict[str, float]) -> float:
-    """The slowest TP rank's device-timed extend (prefill) seconds so far, from the samples
-    of ``FORWARD_SECONDS_METRIC`` (one per label set: tp_rank, category, ...)."""
-    return max((v for labels, v in samples.items() if 'category="extend"' in labels), default=0.0)
+def extend_seconds_between(before: Dict[str, float], after: Dict[str, float]) -> float:
+    """The slowest TP rank's device-timed extend (prefill) seconds from ``before`` to
+    ``after``, two readings of ``FORWARD_SECONDS_METRIC`` (one sample per label set:
+    tp_rank, category, ...).
+
+    NOTE: the largest per-rank increase, not the increase of the largest total: the rank
+    ahead in total need not be the one that took longer in between."""
+    return max((v - before.get(labels, 0.0) for labels, v in after.items() if 'category="extend"' in labels),
+               default=0.0)
 
 
 def prompt(seed: int, length: int, vocab: int) -> List[int]:
@@ -168,8 +180,8 @@ def generate(port: int, ids: List[int]) -> float:
     return time.perf_counter() - t0
 
 
-def forward_seconds(port: int) -> float:
-    return extend_seconds(prometheus_samples(port, FORWARD_SECONDS_METRIC))
+def forward_samples(port: int) -> Dict[str, float]:
+    return prometheus_samples(port, FORWARD_SECONDS_METRIC)
 
 
 def flush_forward_s(port: int, vocab: int, pairs: int = 5) -> float:
@@ -177,9 +189,9 @@ def flush_forward_s(port: int, vocab: int, pairs: int = 5) -> float:
     samples = []
     for i in range(pairs):
         generate(port, prompt(40_000 + i, FLUSH_TOKENS, vocab))
-        before = forward_seconds(port)
+        before = forward_samples(port)
         generate(port, prompt(50_000 + i, FLUSH_TOKENS, vocab))
-        samples.append(forward_seconds(port) - before)  # the first of the two short forwards
+        samples.append(extend_seconds_between(before, forward_samples(port)))  # the first of the two
     return statistics.median(samples)
 
 
@@ -189,36 +201,72 @@ def variants_for(cp_size: int) -> List[str]:
     return list(VARIANTS) if cp_size > 1 else ["off"]
 
 
-def measure_ttft(args, model: Path, work: Path) -> dict:
-    servers, variants = {}, variants_for(args.cp_size)
+def measure_ttft(args, model: Path, work: Path, checkpoint=None) -> dict:
+    """Phase 1 (module docstring). ``checkpoint(result)`` is called with the result so far
+    after the warm-up and after every round."""
+    servers, variants, errors = {}, variants_for(args.cp_size), {}
+    vocab = DSV32_DIMS["vocab_size"]
+    ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
+    forward: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
+    flush: Dict[str, float] = {}
+    write_paths: Dict[str, Dict[str, float]] = {}
+
+    def result() -> dict:
+        raw = lambda by_variant: {v: {str(n): t for n, t in by.items()} for v, by in by_variant.items()}  # noqa: E731
+        return {"raw_s": raw(ttft), "summary": summarize(ttft),
+                "forward_raw_s": raw(forward), "forward_summary": summarize(forward),
+                "forward_per_chunk_ms": forward_per_chunk_ms(forward),
+                "flush_forward_s": flush, "write_paths": write_paths, "errors": errors}
+
+    def drop(variant: str, what: str, exc: Exception) -> None:
+        errors[variant] = f"{what}: {type(exc).__name__}: {exc}"
+        print(f"bench_e2e_ttft: {variant} leaves the comparison: {errors[variant]}", file=sys.stderr)
+        proc_port = servers.pop(variant, None)
+        if proc_port is not None:
+            stop(proc_port[0])
+
     try:
         for i, variant in enumerate(variants):
-            servers[variant] = launch(variant, variant, model, args, i, work)
-        vocab = DSV32_DIMS["vocab_size"]
-        for length in args.lengths:  # warm-up: JIT and allocator for each shape
-            for variant, (_, port) in servers.items():
-                generate(port, prompt(10_000 + length, length, vocab))
-        flush = {variant: flush_forward_s(port, vocab) for variant, (_, port) in servers.items()}
-        ttft: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
-        forward: Dict[str, Dict[int, List[float]]] = {v: {n: [] for n in args.lengths} for v in variants}
+            try:
+                servers[variant] = launch(variant, variant, model, args, i, work)
+            except Exception as exc:  # noqa: BLE001 -- reported; the other servers are still compared
+                drop(variant, "start", exc)
+        for variant in list(servers):
+            try:
+                for length in args.lengths:  # warm-up: JIT and allocator for each shape
+                    generate(servers[variant][1], prompt(10_000 + length, length, vocab))
+                flush[variant] = flush_forward_s(servers[variant][1], vocab)
+            except Exception as exc:  # noqa: BLE001
+                drop(variant, "warm-up", exc)
+        if checkpoint:
+            checkpoint(result())
+        last_round = None
         for rnd, length, variant in schedule(args.lengths, args.runs, variants):
+            if checkpoint and last_round is not None and rnd != last_round:
+                checkpoint(result())
+            last_round = rnd
+            if variant not in servers:
+                continue
             port = servers[variant][1]
-            before = forward_seconds(port)
-            ttft[variant][length].append(generate(port, prompt(rnd * 1000 + length, length, vocab)))
-            generate(port, prompt(rnd, FLUSH_TOKENS, vocab))
-            forward[variant][length].append(forward_seconds(port) - before - flush[variant])
-            print(f"round {rnd} {length:>7} {variant:<12} TTFT {ttft[variant][length][-1]:.4f} s, "
-                  f"forwards {forward[variant][length][-1]:.4f} s", file=sys.stderr)
-        write_paths = {variant: prometheus_samples(port, WRITE_PATHS_METRIC)
-                       for variant, (_, port) in servers.items() if VARIANTS[variant][0]}
+            try:
+                before = forward_samples(port)
+                seconds = generate(port, prompt(rnd * 1000 + length, length, vocab))
+                generate(port, prompt(rnd, FLUSH_TOKENS, vocab))
+                forwards = extend_seconds_between(before, forward_samples(port)) - flush[variant]
+            except Exception as exc:  # noqa: BLE001
+                drop(variant, f"round {rnd}, {length} tokens", exc)
+                continue
+            ttft[variant][length].append(seconds)
+            forward[variant][length].append(forwards)
+            print(f"round {rnd} {length:>7} {variant:<12} TTFT {seconds:.4f} s, forwards {forwards:.4f} s",
+                  file=sys.stderr)
+        for variant, (_, port) in servers.items():
+            if VARIANTS[variant][0]:
+                write_paths[variant] = prometheus_samples(port, WRITE_PATHS_METRIC)
     finally:
         for proc, _ in servers.values():
             stop(proc)
-    raw = lambda by_variant: {v: {str(n): t for n, t in by.items()} for v, by in by_variant.items()}  # noqa: E731
-    return {"raw_s": raw(ttft), "summary": summarize(ttft),
-            "forward_raw_s": raw(forward), "forward_summary": summarize(forward),
-            "forward_per_chunk_ms": forward_per_chunk_ms(forward),
-            "flush_forward_s": flush, "write_paths": write_paths}
+    return result()
 
 
 def forward_per_chunk_ms(forward: Dict[str, Dict[int, List[float]]]) -> Dict[str, Dict[str, float]]:
@@ -226,6 +274,15 @@ def forward_per_chunk_ms(forward: Dict[str, Dict[int, List[float]]]) -> Dict[str
     (the mean over chunks: later chunks attend over more history)."""
     return {v: {str(n): round(statistics.median(t) / -(-n // CHUNK) * 1e3, 3) for n, t in by.items() if t}
             for v, by in forward.items()}
+
+
+def stage_files(timing_dir: Path) -> Dict[str, dict]:
+    """Each CP rank's stage-times file in ``timing_dir``: {"cp0": ..., "cp1": ...}."""
+    files = {path.stem.rsplit("-", 1)[1]: json.loads(path.read_text())
+             for path in timing_dir.glob("stage-times-cp*.json")}
+    if not files:
+        raise RuntimeError(f"no stage-times file in {timing_dir} (the server did not write SGLANG_CP_SHARED_KV_TIMING_DIR)")
+    return files
 
 
 def measure_stage_times(args, model: Path, work: Path) -> dict:
@@ -238,16 +295,16 @@ def measure_stage_times(args, model: Path, work: Path) -> dict:
         out[variant], proc = {}, None
         try:
             proc, port = launch(f"{variant}-timed", variant, model, args, i, work, timing_dir)
-            rank0 = timing_dir / "stage-times-cp0.json"
             for length in args.lengths:
                 generate(port, prompt(20_000 + length, length, vocab))  # warm-up
                 generate(port, prompt(1, FLUSH_TOKENS, vocab))
                 generate(port, prompt(2, FLUSH_TOKENS, vocab))
-                before = json.loads(rank0.read_text())
+                before = stage_files(timing_dir)
                 generate(port, prompt(30_000 + length, length, vocab))
                 generate(port, prompt(3, FLUSH_TOKENS, vocab))
-                after = json.loads(rank0.read_text())
-                out[variant][str(length)] = stage_delta(before, after, args.layers)
+                after = stage_files(timing_dir)
+                out[variant][str(length)] = {rank: stage_delta(before[rank], after[rank], args.layers)
+                                             for rank in sorted(after) if rank in before}
         except Exception as exc:  # noqa: BLE001 - reported in the JSON and the exit status
             out[variant]["error"] = f"{type(exc).__name__}: {exc}"
             print(f"bench_e2e_ttft: stage times of {variant} failed: {out[variant]['error']}", file=sys.stderr)
@@ -277,13 +334,17 @@ def main() -> int:
     work = Path(args.workdir)
     model = write_model(work / f"dsv32-dims-{args.layers}l", model_config(args.layers))
     report = {"command": " ".join(sys.argv), "layers": args.layers, "cp_size": args.cp_size, "chunk": CHUNK,
-              "kv_cache_dtype": args.kv_cache_dtype, "lengths": args.lengths, "runs": args.runs,
-              "ttft": measure_ttft(args, model, work)}
-    Path(args.out).write_text(json.dumps(report, indent=1))  # phase 1 kept whatever phase 2 does
-    status = 0
+              "kv_cache_dtype": args.kv_cache_dtype, "lengths": args.lengths, "runs": args.runs}
+
+    def checkpoint(ttft: dict) -> None:
+        report["ttft"] = ttft
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+    checkpoint(measure_ttft(args, model, work, checkpoint))  # phase 1 kept whatever phase 2 does
+    status = int(bool(report["ttft"]["errors"]))
     if not args.skip_stage_times and args.cp_size > 1:
         report["stage_times"] = measure_stage_times(args, model, work)
-        status = int(any("error" in by_length for by_length in report["stage_times"].values()))
+        status |= int(any("error" in by_length for by_length in report["stage_times"].values()))
     text = json.dumps(report, indent=1)
     Path(args.out).write_text(text)
     print(text)

@@ -189,6 +189,10 @@ def _timed(fn, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # NOTE: the host barrier leaves the ranks tens of µs apart on the device, which would
+        # count in a collective's time (it waits for the last rank) but not in a local copy's;
+        # a tiny all-reduce on this stream lines the ranks up on the device, for every path alike
+        dist.all_reduce(torch.zeros(1, device=device))
         start.record()
         fn()
         end.record()
@@ -283,9 +287,18 @@ def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
             if rank == 0:
                 print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
             return None, lambda: None
-        handle = symm_mem.rendezvous(mine, dist.group.WORLD)
-        peers = [mine if p == rank else handle.get_buffer(p, tuple(shard.shape), shard.dtype)
-                 for p in range(nprocs)]
+        peers = None
+        try:  # NOTE: collective; it fails on every rank alike where IPC is missing
+            handle = symm_mem.rendezvous(mine, dist.group.WORLD)
+            peers = [mine if p == rank else handle.get_buffer(p, tuple(shard.shape), shard.dtype)
+                     for p in range(nprocs)]
+        except Exception as exc:  # noqa: BLE001
+            problem = f"rendezvous: {type(exc).__name__}: {exc}"
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            if rank == 0:
+                print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
+            return None, lambda: None
         torch.cuda.synchronize(shard.device)
         dist.barrier()
         return peers, lambda: dist.barrier()
@@ -438,6 +451,7 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
                     samples[name].append(_timed(fn, device))
             overlap = _overlap_samples(device, kind, reps, ours, pull if peers else None)
             release_peers()
+            peers = None  # NOTE: the peers' mappings go now, not after the process group (teardown)
             everyone = [None] * nprocs
             dist.all_gather_object(everyone, samples)
             if rank == 0:
@@ -470,6 +484,8 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
     chunk_rows = _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps)
     if rank == 0:
         Path(out_path).write_text(json.dumps({"rows": rows, "chunk_rows": chunk_rows, "overlap_rows": overlap_rows}))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -481,14 +497,23 @@ def collective_bench(nprocs: int, backend: str, histories, reps: int, chunks=(81
     import torch.multiprocessing as mp
 
     out = Path(tempfile.mkdtemp()) / "collective.json"
-    mp.start_processes(_collective_worker,
-                       args=(nprocs, free_port(), backend, list(histories), list(chunks), reps, str(out)),
-                       nprocs=nprocs, start_method="spawn")
+    teardown_error = None
+    try:
+        mp.start_processes(_collective_worker,
+                           args=(nprocs, free_port(), backend, list(histories), list(chunks), reps, str(out)),
+                           nprocs=nprocs, start_method="spawn")
+    except Exception as exc:  # a rank that fails after rank 0 wrote the figures (teardown) keeps them
+        if not out.exists():
+            raise
+        teardown_error = f"{type(exc).__name__}: {exc}"
+        print(f"bench_materialize: a rank failed after the measurement: {teardown_error}", file=sys.stderr)
     measured = json.loads(out.read_text())
     report = {"backend": backend, "cp_size": nprocs, "reps": reps, "statistic": "median over reps of the slowest rank",
               "page_size": PAGE, "model_layers": MODEL_LAYERS, "rows": measured["rows"],
               "chunk_rows": measured["chunk_rows"], "overlap_gemm_mnk": OVERLAP_GEMM, "overlap_gemms": OVERLAP_GEMMS,
               "overlap_rows": measured["overlap_rows"]}
+    if teardown_error:
+        report["teardown_error"] = teardown_error
     if backend == "nccl":
         report["gpu"] = torch.cuda.get_device_name(0)
         report["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))

@@ -129,10 +129,13 @@ def test_ttft_summary_and_stage_delta():
 
 def test_ttft_forward_seconds_are_the_slowest_ranks_extend_time():
     bench = _bench()
-    samples = {'{category="extend",tp_rank="0"}': 1.5, '{category="extend",tp_rank="1"}': 1.75,
-               '{category="decode",tp_rank="0"}': 9.0}
-    assert bench.extend_seconds(samples) == 1.75
-    assert bench.extend_seconds({}) == 0.0  # no forward reported yet
+    r0, r1, dec = '{category="extend",tp_rank="0"}', '{category="extend",tp_rank="1"}', '{category="decode",tp_rank="0"}'
+    before = {r0: 10.0, r1: 9.0, dec: 1.0}
+    # rank 0 stays ahead in total, but rank 1 took longer in between: its 1.75 s, not rank 0's 1.5 s
+    after = {r0: 11.5, r1: 10.75, dec: 9.0}
+    assert bench.extend_seconds_between(before, after) == 1.75
+    assert bench.extend_seconds_between({}, {r0: 0.5}) == 0.5  # a rank's first report
+    assert bench.extend_seconds_between({}, {}) == 0.0  # no forward reported yet
 
 
 def test_ttft_model_has_deepseek_v32_dims_and_only_dense_layers():
@@ -231,6 +234,46 @@ def test_ttft_bench_reads_each_prompts_forward_time_from_the_servers(monkeypatch
     assert all(sample > 0 for paths in out["write_paths"].values() for sample in paths.values())
 
 
+def test_ttft_bench_keeps_measuring_the_servers_that_work_and_checkpoints_every_round(monkeypatch, tmp_path):
+    """A flag-on server that does not start, and one whose requests start failing in round 1,
+    leave the comparison with their errors; the stock server is measured in every round, and
+    the result so far is handed to the checkpoint after the warm-up and after each round."""
+    import argparse
+
+    bench = _bench()
+    fakes = {}
+
+    def launch(name, variant, model, args, index, work, timing_dir=None):
+        if variant == "on":
+            raise RuntimeError("on: server exited with 1; see on.log")
+        fakes[variant] = _LaggedForwardServer(1e-4, bench.VARIANTS[variant][0])
+        return fakes[variant], fakes[variant].port
+
+    generate, calls = bench.generate, {"n": 0}
+
+    def flaky_generate(port, ids):
+        if port == fakes["on_prefetch"].port and len(ids) == 20000:
+            calls["n"] += 1
+            if calls["n"] > 2:  # its warm-up and round 0 work, round 1 fails
+                raise OSError("connection reset")
+        return generate(port, ids)
+
+    stopped = []
+    monkeypatch.setattr(bench, "launch", launch)
+    monkeypatch.setattr(bench, "generate", flaky_generate)
+    monkeypatch.setattr(bench, "stop", lambda fake: (stopped.append(fake), fake.http.shutdown()))
+    seen = []
+    args = argparse.Namespace(lengths=[20000], runs=3, cp_size=2)
+    out = bench.measure_ttft(args, tmp_path / "model", tmp_path,
+                             checkpoint=lambda r: seen.append(len(r["raw_s"]["off"]["20000"])))
+    assert out["errors"]["on"] == "start: RuntimeError: on: server exited with 1; see on.log"
+    assert out["errors"]["on_prefetch"] == "round 1, 20000 tokens: OSError: connection reset"
+    assert len(out["raw_s"]["off"]["20000"]) == 3 and len(out["raw_s"]["on_prefetch"]["20000"]) == 1
+    assert out["raw_s"]["on"]["20000"] == []
+    assert seen == [0, 1, 2]  # after the warm-up, round 0 and round 1 (the last round is the return value)
+    assert sorted(stopped, key=id) == sorted(fakes.values(), key=id)  # every server stopped once
+
+
 def test_ttft_bench_at_cp_size_1_runs_the_stock_server_alone():
     bench = _bench()
     assert bench.variants_for(1) == ["off"] and bench.variants_for(2) == ["off", "on", "on_prefetch"]
@@ -256,7 +299,7 @@ def test_ttft_stage_times_keep_what_a_failed_variant_measured_and_go_on(monkeypa
     out = bench.measure_stage_times(args, tmp_path / "model", tmp_path)
     assert out["on"] == {"error": "RuntimeError: on-timed: server exited with 1; see on-timed.log"}
     # the measured request and the 64-token one after it: 3 + 1 forwards of 8 layers
-    assert out["on_prefetch"]["20000"]["forwards"] == 4
-    assert out["on_prefetch"]["20000"]["stages"]["owner_write"] == {
+    assert out["on_prefetch"]["20000"]["cp0"]["forwards"] == 4
+    assert out["on_prefetch"]["20000"]["cp0"]["stages"]["owner_write"] == {
         "calls": 32, "ms": 2.0, "ms_per_forward": 0.5, "ms_per_layer": 0.0625}
-    assert out["on_prefetch"]["64"]["forwards"] == 2
+    assert out["on_prefetch"]["64"]["cp0"]["forwards"] == 2
