@@ -34,7 +34,8 @@ server leaves the comparison; the others go on, and the JSON is rewritten after 
 round, so a call that runs out of time keeps the rounds it finished.
 
 Usage: python scripts/bench_e2e_ttft.py --out ttft.json [--lengths 16384,32768,65536,114688]
-       [--runs 5] [--layers 8] [--kv-cache-dtype bfloat16] [--cp-size 2] [--skip-stage-times]
+       [--runs 5] [--layers 8] [--kv-cache-dtype bfloat16] [--cp-size 2]
+       [--skip-stage-times | --only-stage-times]
        --cp-size 1: one GPU, the stock TP1 server alone (no CP, so no flag): the run-to-run
        spread of TTFT and of the server-side forward time, i.e. what each can resolve.
 JSON on stdout and in --out. Nothing here is a pass/fail test.
@@ -326,11 +327,15 @@ def main() -> int:
     ap.add_argument("--mem-fraction", type=float, default=0.28)
     ap.add_argument("--port", type=int, default=32000)
     ap.add_argument("--boot-timeout", type=int, default=600)
-    ap.add_argument("--skip-stage-times", action="store_true")
+    ap.add_argument("--skip-stage-times", action="store_true", help="phase 1 only")
+    ap.add_argument("--only-stage-times", action="store_true",
+                    help="phase 2 only (two servers instead of five: fits a device call of its own)")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",") if x]
     if args.runs < 1 or args.layers < 1 or args.cp_size < 1 or not args.lengths:
         ap.error("--runs, --layers and --cp-size must be >= 1, --lengths non-empty")
+    if args.only_stage_times and (args.skip_stage_times or args.cp_size < 2):
+        ap.error("--only-stage-times needs --cp-size 2 or more and no --skip-stage-times")
     work = Path(args.workdir)
     model = write_model(work / f"dsv32-dims-{args.layers}l", model_config(args.layers))
     report = {"command": " ".join(sys.argv), "layers": args.layers, "cp_size": args.cp_size, "chunk": CHUNK,
@@ -340,8 +345,10 @@ def main() -> int:
         report["ttft"] = ttft
         Path(args.out).write_text(json.dumps(report, indent=1))
 
-    checkpoint(measure_ttft(args, model, work, checkpoint))  # phase 1 kept whatever phase 2 does
-    status = int(bool(report["ttft"]["errors"]))
+    status = 0
+    if not args.only_stage_times:
+        checkpoint(measure_ttft(args, model, work, checkpoint))  # phase 1 kept whatever phase 2 does
+        status = int(bool(report["ttft"]["errors"]))
     if not args.skip_stage_times and args.cp_size > 1:
         report["stage_times"] = measure_stage_times(args, model, work)
         status |= int(any("error" in by_length for by_length in report["stage_times"].values()))

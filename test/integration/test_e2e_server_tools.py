@@ -150,6 +150,9 @@ def test_ttft_bench_refuses_bad_arguments(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--cp-size", "0",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--cp-size must be >= 1" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_e2e_ttft.py"), "--only-stage-times",
+                           "--cp-size", "1", "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--only-stage-times needs --cp-size 2" in proc.stderr
 
 
 class _LaggedForwardServer:
