@@ -71,6 +71,13 @@ def test_stop_waits_until_every_process_of_the_server_is_gone(child_ignores_sigt
     assert (time.monotonic() - t0 >= 2) == child_ignores_sigterm  # SIGKILL only after the grace
 
 
+def test_stopping_a_server_that_already_ended_says_nothing(capsys):
+    proc = subprocess.Popen(["true"], start_new_session=True)
+    proc.wait()  # exited and reaped: its group is gone
+    server.stop(proc, grace_s=1)
+    assert "WARNING" not in capsys.readouterr().out
+
+
 def test_prometheus_samples_of_one_metric(tmp_path):
     proc, port = _start(tmp_path, "0")
     try:

@@ -171,8 +171,9 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(group, sig)
-        except ProcessLookupError:
-            break
+        except ProcessLookupError:  # every process of the group is gone, reaped too
+            proc.poll()
+            return
         while time.monotonic() < deadline:
             proc.poll()  # reap the launcher
             if not live_group_members(group):
