@@ -45,7 +45,6 @@ Usage: python scripts/e2e_cp2_logprobs.py --out e2e.json [--runs off_a,off_b,on,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -54,6 +53,7 @@ from pathlib import Path
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
+    accumulate_runs,
     e2e_env,
     post,
     prometheus_samples,
@@ -205,18 +205,9 @@ def main():
     model = write_model(work / "tiny-dsv32", TINY_DSV32)
     os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     requests = prompts()
-    failed = {}
-    for name in selected:
-        try:
-            run = one_run(name, str(model), requests, args, logdir / f"{name}.{tag}.log")
-        except Exception as exc:  # noqa: BLE001 -- reported; the other runs still go
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            print(f"[e2e] {name} FAILED: {failed[name]}", flush=True)
-            (work / f"{name}.{tag}.json").unlink(missing_ok=True)  # no stale run of an earlier call
-            continue
-        (work / f"{name}.{tag}.json").write_text(json.dumps(run))
-    runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
-            for name in layout_runs if (work / f"{name}.{tag}.json").exists()}
+    runs, failed = accumulate_runs(
+        work, tag, selected, layout_runs,
+        lambda name: one_run(name, str(model), requests, args, logdir / f"{name}.{tag}.log"), "e2e")
     topk_problems = {name: run.get("stable_topk_problems", ["not recorded"])
                      for name, run in runs.items() if args.stable_topk}
     report = {"kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "stable_topk": args.stable_topk,

@@ -51,7 +51,6 @@ Usage: python scripts/e2e_pd_gpu.py --out pd.json [--cp-size N] [--runs off,on,.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -61,6 +60,7 @@ from pathlib import Path
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
+    accumulate_runs,
     e2e_env,
     post,
     prometheus_samples,
@@ -278,18 +278,9 @@ def main() -> int:
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)
     args.model = write_model(work / "tiny-dsv32-32k", MODEL)
-    failed = {}
-    for name in selected:
-        try:
-            run = run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1))
-        except Exception as exc:  # noqa: BLE001 -- reported; the other runs still go
-            failed[name] = f"{type(exc).__name__}: {exc}"
-            print(f"[e2e-pd] {name} FAILED: {failed[name]}", flush=True)
-            (work / f"{name}.{args.tag}.json").unlink(missing_ok=True)  # no stale run of an earlier call
-            continue
-        (work / f"{name}.{args.tag}.json").write_text(json.dumps(run))
-    runs = {name: json.loads((work / f"{name}.{args.tag}.json").read_text())
-            for name in cp_runs if (work / f"{name}.{args.tag}.json").exists()}
+    runs, failed = accumulate_runs(
+        work, args.tag, selected, cp_runs,
+        lambda name: run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1)), "e2e-pd")
     checks = verdict(runs)
     for name, run in runs.items():
         if not args.stock_topk:

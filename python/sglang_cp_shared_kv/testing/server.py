@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = Path(__file__).resolve().parents[3]
 E2E_SITE = ROOT / "scripts" / "e2e"
@@ -134,6 +134,28 @@ def stable_topk_problem(figures: Dict, name: str, log_path: Path, min_processes:
             f"fewer than its {min_processes} TP rank(s) (scripts/e2e on PYTHONPATH?); see {log_path}")
 
 
+def accumulate_runs(work: Path, tag: str, selected, known, run_one: Callable[[str], Dict],
+                    label: str) -> Tuple[Dict[str, Dict], Dict[str, str]]:
+    """Run each of ``selected`` (``run_one(name)`` -> its record, kept as
+    ``work/<name>.<tag>.json``), then read back every run of ``known`` present there (this
+    call's and earlier calls'): ``(runs, failed)``. A run that raises is reported in
+    ``failed`` and the next one still starts; an earlier call's record of it is dropped."""
+    failed = {}
+    for name in selected:
+        path = work / f"{name}.{tag}.json"
+        try:
+            run = run_one(name)
+        except Exception as exc:  # noqa: BLE001 -- reported; the other runs still go
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"[{label}] {name} FAILED: {failed[name]}", flush=True)
+            path.unlink(missing_ok=True)  # no stale run of an earlier call
+            continue
+        path.write_text(json.dumps(run))
+    runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
+            for name in known if (work / f"{name}.{tag}.json").exists()}
+    return runs, failed
+
+
 def write_report(report: Dict, out) -> int:
     """The report as JSON to ``out`` and stdout; the exit status its ``pass`` gives."""
     text = json.dumps(report, indent=1)
@@ -186,4 +208,4 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 __all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop",
-           "startup_figures", "stable_topk_problem", "CORRUPTING_SENDS_LINE", "write_report"]
+           "startup_figures", "stable_topk_problem", "CORRUPTING_SENDS_LINE", "accumulate_runs", "write_report"]
