@@ -38,6 +38,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, debug_enabled
+from sglang_cp_shared_kv.forward.dense_layout import owner_counts
 from sglang_cp_shared_kv.page_split import page_aligned_split
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ def compute_owner_order_on_device(free_pages: torch.Tensor, ranks: Sequence[int]
     pages = free_pages.to(torch.int64)
     lanes = (pages - 1) % cp_size
     by_lane = torch.sort(lanes * page_limit + pages).values % page_limit  # each lane's pages, ascending
-    lane_sizes = torch.zeros(cp_size, dtype=torch.int64, device=device).scatter_add_(0, lanes, torch.ones_like(lanes))
+    lane_sizes = owner_counts(lanes, cp_size)
     lane_starts = torch.cumsum(lane_sizes, 0) - lane_sizes
     found = torch.ones((), dtype=torch.bool, device=device)
     picked, slots = [], []

@@ -117,7 +117,7 @@ def _run_of(owned: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, is_run.to(first.dtype)])
 
 
-def _owner_counts(owners: torch.Tensor, cp_size: int) -> torch.Tensor:
+def owner_counts(owners: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Pages per owner rank, without a host synchronisation (NOTE: ``torch.bincount`` on
     CUDA reads its input's maximum on the host to size its output, even with ``minlength``)."""
     counts = torch.zeros(cp_size, dtype=torch.int64, device=owners.device)
@@ -142,7 +142,7 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     owners = layout.owner_for_logical_pages(seq_pages, validate=False)
     physical = layout.logical_pages_to_physical(seq_pages, validate=False)
     n = layout.cp_size
-    counts = torch.stack([_owner_counts(owners[:history_pages], n), _owner_counts(owners[history_pages:], n)])
+    counts = torch.stack([owner_counts(owners[:history_pages], n), owner_counts(owners[history_pages:], n)])
     mine = owners == layout.cp_rank
     runs = torch.cat([_run_of(mine[:history_pages], physical[:history_pages]),
                       _run_of(mine[history_pages:], physical[history_pages:])])
