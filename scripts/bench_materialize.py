@@ -260,6 +260,18 @@ def _chunk_rows(rank, nprocs, device, group, kernels, chunks, reps):
     return rows
 
 
+def _every_rank_ok(problem, rank: int, nprocs: int) -> bool:
+    """Whether no rank had a ``problem`` setting up the copy-engine pull (every rank learns
+    every rank's; rank 0 prints them)."""
+    import torch.distributed as dist
+
+    problems = [None] * nprocs
+    dist.all_gather_object(problems, problem)
+    if any(problems) and rank == 0:
+        print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
+    return not any(problems)
+
+
 def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
     """Every rank's ``shard`` (the same shape on every rank) readable from this process, as a
     list indexed by rank, and a cleanup to call on every rank: on CUDA torch's symmetric
@@ -281,11 +293,7 @@ def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
             mine.copy_(shard)
         except Exception as exc:  # noqa: BLE001 - a machine without IPC or symmetric memory
             problem = f"{type(exc).__name__}: {exc}"
-        problems = [None] * nprocs
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            if rank == 0:
-                print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
+        if not _every_rank_ok(problem, rank, nprocs):
             return None, lambda: None
         peers = None
         try:  # NOTE: collective; it fails on every rank alike where IPC is missing
@@ -294,10 +302,7 @@ def _peer_shards(shard, rank, nprocs, workdir: Path, tag: str):
                      for p in range(nprocs)]
         except Exception as exc:  # noqa: BLE001
             problem = f"rendezvous: {type(exc).__name__}: {exc}"
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            if rank == 0:
-                print(f"bench_materialize: no copy-engine pull ({problems})", file=sys.stderr)
+        if not _every_rank_ok(problem, rank, nprocs):
             return None, lambda: None
         torch.cuda.synchronize(shard.device)
         dist.barrier()
