@@ -2,11 +2,25 @@
 ranges. Off by default; ``SGLANG_CP_SHARED_KV_NVTX=1`` turns them on. Off, :func:`marked`
 returns a shared no-op context: no range is pushed, no CUDA call is made.
 
-Ranges (all named ``cp_shared_kv:<what>``): ``batch_state``, ``owner_write``,
-``materialize:pack+gather`` (a history gather), ``materialize:current`` (a current-region
-gather: local writes, a full view), ``materialize:chunk``, ``prefetch:issue``,
-``prefetch:wait``, ``pd:batch``. A range given the rank's :class:`..stage_timer.StageTimer` is also timed
-(device time per stage, read inside the server; see that module).
+Ranges (all named ``cp_shared_kv:<what>``), leaves unless said otherwise:
+
+* ``batch_state``: the forward's batch state (page map, dense page tables);
+* ``materialize:<kind>:view``, ``...:pack``, ``...:gather``, ``...:current`` with ``<kind>``
+  ``index`` or ``mla``: allocating the dense view; packing this rank's owned history pages
+  (none when they are one run of its shard); the history all-gather; the pack and
+  all-gather of a current region (local writes, a full view), which no prefetch can hide
+  (:class:`.forward.materialize.GatherStages`);
+* ``materialize:chunk``: the chunk's MLA rows stored into the view;
+* ``owner_write``: this rank's owned rows into its shard;
+* ``prefetch:issue``: a container around the next layer's asynchronous MLA history
+  (its ``materialize:mla:view``, ``...:pack`` and ``...:gather`` inside it);
+* ``prefetch:wait``: the compute stream waiting for a prefetched history;
+* ``pd:batch``: one batch of a PD transfer (not timed).
+
+A range given the rank's :class:`..stage_timer.StageTimer` is also timed (device time per
+stage, read inside the server; see that module). NOTE: for an asynchronous (prefetch)
+gather, ``materialize:mla:gather`` spans only its launch on the compute stream; the part
+of it the compute stream is exposed to is ``prefetch:wait``.
 """
 
 from __future__ import annotations

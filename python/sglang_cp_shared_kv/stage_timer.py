@@ -1,17 +1,26 @@
 """How long each stage of the plugin's work takes inside a running server.
 
 On with the NVTX switch (``SGLANG_CP_SHARED_KV_NVTX=1``, read when the pool is built):
-every range :func:`sglang_cp_shared_kv.nvtx.marked` opens is then also timed here, per
-rank, per stage name (``batch_state``, ``owner_write``, ``materialize:pack+gather``,
-``materialize:current``, ``materialize:chunk``, ``prefetch:issue``, ``prefetch:wait``)::
+every range :func:`sglang_cp_shared_kv.nvtx.marked` opens with the rank's timer is then
+also timed here, per rank, per stage name (``batch_state``, ``materialize:<kind>:view``,
+``materialize:<kind>:pack``, ``materialize:<kind>:gather``, ``materialize:<kind>:current``
+with ``<kind>`` ``index`` or ``mla``, ``materialize:chunk``, ``owner_write``,
+``prefetch:issue``, ``prefetch:wait``; :mod:`sglang_cp_shared_kv.nvtx` says what each
+covers)::
 
     stage time = end event - start event, both recorded on the stream the work was issued on
 
 so it is the device time the stage held that stream (for ``prefetch:wait``: how long the
-compute stream stalled on the prefetched gather -- the exposed part of it). On a CPU pool
-the two marks are ``time.perf_counter()``. An interval is read once its end event has
-completed (``Event.query()``, no host synchronisation), at the start of each forward; so a
-forward's stages appear when the next one begins.
+compute stream stalled on the prefetched gather -- the exposed part of it). So for an
+asynchronous gather (the prefetch's, on its own communicator and stream) the
+``materialize:mla:gather`` interval measures only its launch, not the transfer.
+``prefetch:issue`` is a container: the ``materialize:mla:view/pack/gather`` of the
+prefetched layer are timed inside it too, so the plugin's exposed time is the sum of the
+other (leaf) stages, never with ``prefetch:issue``.
+
+On a CPU pool the two marks are ``time.perf_counter()``. An interval is read once its end
+event has completed (``Event.query()``, no host synchronisation), at the start of each
+forward; so a forward's stages appear when the next one begins.
 
 Out: :meth:`StageTimer.snapshot` (cumulative calls and milliseconds per stage, forwards
 seen); with ``SGLANG_CP_SHARED_KV_TIMING_DIR`` set, each rank rewrites

@@ -61,4 +61,5 @@ def test_stage_timer_reads_cuda_events_inside_a_cp_group():
         assert stages["owner_write"]["calls"] == 2 * stats["layers"]
         assert stages["materialize:chunk"]["calls"] == stats["layers"]
         # device time, not zero: each stage launched real kernels on the stream
-        assert stages["owner_write"]["total_ms"] > 0 and stages["materialize:pack+gather"]["total_ms"] > 0
+        assert stages["owner_write"]["total_ms"] > 0 and stages["materialize:index:gather"]["total_ms"] > 0
+        assert stages["materialize:index:view"]["calls"] == stages["materialize:mla:view"]["calls"] == stats["layers"]

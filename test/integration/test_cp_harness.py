@@ -160,8 +160,10 @@ def test_prefetch_bit_exact(group):
 
 def test_stage_timer_times_every_stage_of_every_forward(group):
     """With timing on (the NVTX switch), every stage of every forward is timed and read back,
-    and the run stays bit-exact; a local-writes chunk's current-region gathers are a stage of
-    their own (``materialize:current``: no prefetch can hide them)."""
+    and the run stays bit-exact. The index and MLA views are timed apart, each in leaf
+    stages: the view's allocation, the history's pack and all-gather, and a local-writes
+    chunk's current-region gathers (``materialize:<kind>:current``: no prefetch can hide
+    them); ``prefetch:issue`` contains the next layer's MLA view and history gather."""
     n, results = group
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
@@ -173,14 +175,22 @@ def test_stage_timer_times_every_stage_of_every_forward(group):
         times = stats["stage_times"]
         assert times["forwards"] == stats["forwards"] and times["pending"] == 0 and times["dropped"] == 0
         calls = {stage: v["calls"] for stage, v in times["stages"].items()}
-        per_forward = stats["layers"] // stats["forwards"]
+        layers, per_forward = stats["layers"], stats["layers"] // stats["forwards"]
         local = per_forward * stats["write_paths"].get(LOCAL, 0)  # layers stored where computed
+        # both scenarios' first chunk has no prefix: every later layer gathers a history
+        history_layers = layers - per_forward
         assert calls["batch_state"] == stats["forwards"]
-        assert calls["owner_write"] == 2 * stats["layers"]  # index and MLA, every layer of every forward
-        assert calls["materialize:chunk"] == stats["layers"] - local
-        assert calls.get("materialize:current", 0) == 2 * local  # index and MLA current pages
-        assert calls["prefetch:issue"] == calls["prefetch:wait"] > 0  # each one prefetched is waited for
-        assert calls["materialize:pack+gather"] >= calls["prefetch:issue"]
+        assert calls["owner_write"] == 2 * layers  # index and MLA, every layer of every forward
+        assert calls["materialize:chunk"] == layers - local
+        for kind in ("index", "mla"):
+            assert calls[f"materialize:{kind}:view"] == layers, (key, kind, calls)  # one view per layer
+            assert calls.get(f"materialize:{kind}:current", 0) == local, (key, kind, calls)  # its current pages
+            assert calls[f"materialize:{kind}:gather"] == history_layers, (key, kind, calls)
+            # a rank whose history pages are one run of its shard sends them without a pack
+            assert calls.get(f"materialize:{kind}:pack", 0) <= history_layers, (key, kind, calls)
+        assert "materialize:pack+gather" not in calls and "materialize:current" not in calls
+        # in a forward with history, every layer's MLA history after the first is prefetched, and waited for
+        assert calls["prefetch:issue"] == calls["prefetch:wait"] == (stats["forwards"] - 1) * (per_forward - 1)
         assert all(v["total_ms"] >= 0 for v in times["stages"].values()) and times["clock"] == "perf_counter"
     assert timed["aligned_chunked_prefill/bf16/debug=off/prefetch=True/stage_timer=True"]["stats"][
         "write_paths"][LOCAL] == 3

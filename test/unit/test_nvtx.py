@@ -18,7 +18,7 @@ def test_off_pushes_nothing(monkeypatch):
     monkeypatch.delenv(NVTX_ENV, raising=False)
     pushed = _recording(monkeypatch)
     for _ in range(3):
-        with nvtx.marked("materialize:pack+gather"):
+        with nvtx.marked("materialize:mla:gather"):
             pass
     assert pushed == []
     assert nvtx.marked("a") is nvtx.marked("b")  # one shared no-op context, nothing allocated per use

@@ -48,14 +48,14 @@ def test_device_intervals_are_read_in_order_once_complete():
     timer = st.StageTimer(cp_rank=0)
     first = (FakeEvent(0.0), FakeEvent(2.5))
     second = (FakeEvent(3.0), FakeEvent(7.0))
-    timer._keep("materialize:pack+gather", *first)
+    timer._keep("materialize:mla:gather", *first)
     timer._keep("prefetch:wait", *second)
     second[1].done = True  # complete, but behind an incomplete one on the same stream
     assert timer.collect() == 0 and timer.snapshot()["pending"] == 2
     first[1].done = True
     assert timer.collect() == 2
     stages = timer.snapshot()["stages"]
-    assert stages["materialize:pack+gather"] == {"calls": 1, "total_ms": 2.5}
+    assert stages["materialize:mla:gather"] == {"calls": 1, "total_ms": 2.5}
     assert stages["prefetch:wait"] == {"calls": 1, "total_ms": 4.0}
 
 
@@ -104,3 +104,34 @@ def test_the_context_holds_a_timer_only_with_the_switch(monkeypatch, tmp_path, o
         assert context.stage_timer.out_path == tmp_path / "stage-times-cp2.json"
     else:
         assert context.stage_timer is None
+
+
+@pytest.mark.parametrize("run", [-1, 2])
+def test_a_history_gather_is_timed_as_pack_then_gather_and_a_run_has_no_pack(monkeypatch, run):
+    """gather_region: the pack (absent when this rank's pages are one run of its shard) and
+    the all-gather are two leaf stages; the collective is the same call either way."""
+    import torch
+
+    from sglang_cp_shared_kv.forward import materialize
+    from sglang_cp_shared_kv.kernels import KernelDispatch
+
+    monkeypatch.setenv(NVTX_ENV, "1")
+    collectives = []
+
+    def all_gather(out, inp, group=None, async_op=False):
+        collectives.append((tuple(out.shape), tuple(inp.shape), group, async_op))
+        out.copy_(inp.repeat(out.shape[0] // inp.shape[0], 1))
+
+    monkeypatch.setattr(torch.distributed, "all_gather_into_tensor", all_gather)
+    timer = st.StageTimer(cp_rank=0)
+    shard = torch.arange(6 * 4, dtype=torch.int64).view(6, 4)
+    dense = torch.zeros(5, 4, dtype=torch.int64)
+    received, work = materialize.gather_region(
+        KernelDispatch(), dense, (1, 5), shard, torch.tensor([2, 3]), "compute", timer=timer, run=run,
+        pack_stage=materialize.MLA_STAGES.pack, gather_stage=materialize.MLA_STAGES.gather)
+    assert torch.equal(dense[1:3], shard[2:4]) and received == 2 * 4 * 8 and work is None
+    assert collectives == [((4, 4), (2, 4), "compute", False)]
+    timer.collect()
+    calls = {stage: v["calls"] for stage, v in timer.snapshot()["stages"].items()}
+    want = {"materialize:mla:gather": 1} if run >= 0 else {"materialize:mla:pack": 1, "materialize:mla:gather": 1}
+    assert calls == want

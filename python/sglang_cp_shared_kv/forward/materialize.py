@@ -25,11 +25,16 @@ words. When the current chunk's KV is not passed (``save_kv_cache=False``: writt
 earlier by another path), the current region is gathered too (the phase-2 full view);
 that decision is made from the call's arguments, which are the same on every rank, as
 is the local-writes decision.
+
+Each step is an NVTX range / stage-timer stage of its own (:class:`GatherStages`, with the
+view's kind: ``materialize:index:...`` or ``materialize:mla:...``): ``view``, ``pack``,
+``gather``, ``current``; then ``materialize:chunk`` and ``owner_write``.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -43,8 +48,34 @@ from sglang_cp_shared_kv.nvtx import marked
 
 logger = logging.getLogger(__name__)
 
-#: the stage (NVTX range) of a current-region gather: local writes, or a phase-2 full view
-CURRENT_STAGE = "materialize:current"
+
+@dataclass(frozen=True)
+class GatherStages:
+    """The NVTX range / stage-timer names of one kind of view (``index`` or ``mla``), each a
+    leaf (no other named stage inside it):
+
+    * ``view``: allocating the dense view (and zeroing its dummy page);
+    * ``pack``: copying this rank's owned history pages into one contiguous send buffer
+      (absent when they are one run of the shard: sent from there, no pack);
+    * ``gather``: the all-gather of the history pages into the view (for an asynchronous
+      prefetch gather only its launch on the compute stream: the exposed rest is
+      ``prefetch:wait``);
+    * ``current``: the pack and all-gather of the current region (local writes, a full
+      view): no prefetch can hide it.
+    """
+
+    view: str
+    pack: str
+    gather: str
+    current: str
+
+    @classmethod
+    def of(cls, kind: str) -> "GatherStages":
+        return cls(*(f"materialize:{kind}:{leaf}" for leaf in ("view", "pack", "gather", "current")))
+
+
+INDEX_STAGES = GatherStages.of("index")
+MLA_STAGES = GatherStages.of("mla")
 
 
 def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
@@ -52,46 +83,60 @@ def page_words(buffer: torch.Tensor, num_pages: int) -> torch.Tensor:
     return buffer.reshape(-1).view(torch.uint8).view(torch.int64).view(num_pages, -1)
 
 
+def _stage(name: Optional[str], timer):
+    """:func:`marked` ``name``, or nothing for None (work inside a caller's range)."""
+    return nullcontext() if name is None else marked(name, timer)
+
+
 def gather_region(kernels: KernelDispatch, dense_words: torch.Tensor, region: Tuple[int, int],
                   shard_words: torch.Tensor, send_pages: torch.Tensor, group, *, async_op: bool = False,
-                  timer=None, run: int = -1, stage: str = "materialize:pack+gather"):
+                  timer=None, run: int = -1, pack_stage: Optional[str] = None, gather_stage: Optional[str] = None):
     """All-gather every rank's ``send_pages`` of its shard into ``dense_words[region]``.
     ``run`` >= 0: this rank's pages are the consecutive pages from ``run`` (the padding after
-    them unread), sent straight from the shard without a pack. ``stage``: the NVTX range /
-    stage-timer name (``materialize:current`` for a current region, which no prefetch can
-    hide). Returns (bytes this rank receives, the collective's work handle when
-    ``async_op``, else None); no collective, on every rank alike, when the region is empty."""
+    them unread), sent straight from the shard without a pack (and no ``pack_stage``).
+    ``pack_stage`` / ``gather_stage``: the NVTX range / stage-timer names of the pack and of
+    the all-gather (None: no range of its own). Returns (bytes this rank receives, the
+    collective's work handle when ``async_op``, else None); no collective, on every rank
+    alike, when the region is empty."""
     start, end = region
     if end == start:
         return 0, None
-    with marked(stage, timer):
-        count = send_pages.numel()
-        if 0 <= run and run + count <= shard_words.shape[0]:
-            # NOTE: a rank-local choice; the collective (shapes, order, group) is the same either way
-            packed = shard_words[run: run + count]
-        else:
+    count = send_pages.numel()
+    if 0 <= run and run + count <= shard_words.shape[0]:
+        # NOTE: a rank-local choice; the collective (shapes, order, group) is the same either way
+        packed = shard_words[run: run + count]
+    else:
+        with _stage(pack_stage, timer):
             packed = kernels.pack_pages(shard_words, send_pages)
+    with _stage(gather_stage, timer):
         work = torch.distributed.all_gather_into_tensor(dense_words[start:end], packed, group=group,
                                                         async_op=async_op)
     return (end - start - packed.shape[0]) * packed.shape[1] * 8, work
 
 
-def gather_history(state: CpSharedBatchState, dense_words: torch.Tensor, shard_words: torch.Tensor,
-                   group=None, *, async_op: bool = False):
+def gather_history(state: CpSharedBatchState, stages: GatherStages, dense_words: torch.Tensor,
+                   shard_words: torch.Tensor, group=None, *, async_op: bool = False):
     """:func:`gather_region` of the batch's history region (over ``group``, default the
-    compute group): every rank's owned history pages, packed or straight from its run."""
+    compute group): every rank's owned history pages, packed (``stages.pack``) or straight
+    from its run, then all-gathered (``stages.gather``)."""
     m = state.page_map
     return gather_region(state.kernels, dense_words, m.history_region, shard_words, m.history_send,
                          state.group if group is None else group, async_op=async_op, timer=state.timer,
-                         run=m.history_run)
+                         run=m.history_run, pack_stage=stages.pack, gather_stage=stages.gather)
 
 
-def gather_current(state: CpSharedBatchState, dense_words: torch.Tensor, shard_words: torch.Tensor) -> int:
+def gather_current(state: CpSharedBatchState, stages: GatherStages, dense_words: torch.Tensor,
+                   shard_words: torch.Tensor) -> int:
     """:func:`gather_region` of the batch's current region on the compute group (its chunk
-    rows are in the shards already); the bytes this rank receives."""
+    rows are in the shards already), pack and all-gather as one ``stages.current`` range;
+    the bytes this rank receives."""
     m = state.page_map
-    return gather_region(state.kernels, dense_words, m.current_region, shard_words, m.current_send, state.group,
-                         timer=state.timer, run=m.current_run, stage=CURRENT_STAGE)[0]
+    start, end = m.current_region
+    if end == start:
+        return 0
+    with marked(stages.current, state.timer):
+        return gather_region(state.kernels, dense_words, m.current_region, shard_words, m.current_send, state.group,
+                             run=m.current_run)[0]
 
 
 def new_dense_view(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.Tensor:
@@ -130,11 +175,12 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     pool.clear_views()
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_index_buffer(layer_id)
-    dense = new_dense_view(shard, page_map.num_dense_pages, 1)
+    with marked(INDEX_STAGES.view, state.timer):
+        dense = new_dense_view(shard, page_map.num_dense_pages, 1)
     dense_words, shard_words = page_words(dense, page_map.num_dense_pages), page_words(shard, shard.shape[0])
-    received, _ = gather_history(state, dense_words, shard_words)
+    received, _ = gather_history(state, INDEX_STAGES, dense_words, shard_words)
     if store_chunk_into is None:
-        received += gather_current(state, dense_words, shard_words)
+        received += gather_current(state, INDEX_STAGES, dense_words, shard_words)
     else:
         store_chunk_into(dense)
         with marked("owner_write", state.timer):
@@ -173,8 +219,9 @@ def gather_mla_history(state: CpSharedBatchState, pool, layer_id: int, group, *,
     own stream / thread until :meth:`MlaHistory.wait`)."""
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_kv_buffer(layer_id)
-    dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
-    received, work = gather_history(state, page_words(dense, page_map.num_dense_pages),
+    with marked(MLA_STAGES.view, state.timer):
+        dense = new_dense_view(shard, page_map.num_dense_pages * page_size, page_size)
+    received, work = gather_history(state, MLA_STAGES, page_words(dense, page_map.num_dense_pages),
                                     page_words(shard, shard.shape[0] // page_size), group, async_op=async_op)
     return MlaHistory(layer_id, dense, received, work, state.timer)
 
@@ -191,7 +238,7 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
     dense, received = history.dense, history.received
     shard = pool.physical_kv_buffer(layer.layer_id)
     if chunk is None:
-        received += gather_current(state, page_words(dense, page_map.num_dense_pages),
+        received += gather_current(state, MLA_STAGES, page_words(dense, page_map.num_dense_pages),
                                    page_words(shard, shard.shape[0] // page_size))
     else:
         with marked("materialize:chunk", state.timer):

@@ -72,6 +72,7 @@ def prefetch_next(state: CpSharedBatchState, pool, layer_id: int) -> None:
     last_layer = pool.start_layer + len(pool.kv_buffer) - 1
     if group is None or state.page_map.history_pad == 0 or layer_id >= last_layer:
         return
+    # a container: the layer's materialize:mla:view / pack / gather are timed inside it too
     with marked("prefetch:issue", state.timer):
         pool.put_prefetched(gather_mla_history(state, pool, layer_id + 1, group, async_op=True))
     if state.debug:
