@@ -23,7 +23,7 @@ from typing import Tuple
 from sglang_cp_shared_kv import hook_check
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.config import DEBUG_ENV, FLAG, PREFETCH_ENV, debug_enabled, is_enabled, prefetch_enabled
+from sglang_cp_shared_kv.config import DEBUG_ENV, FLAG, PREFETCH_ENV, debug_enabled, prefetch_enabled, shares_kv
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
 from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
@@ -65,7 +65,7 @@ def layout_for_runner(runner) -> CpSharedKVLayout:
 
 def split_capacity(config, runner, *args, **kwargs):
     """AFTER ``ModelRunnerKVCacheMixin._resolve_memory_pool_config``."""
-    if not is_enabled(runner.server_args):
+    if not shares_kv(runner.server_args):
         return None
     hook_check.require_hooks_applied("scheduler process")
     validate(runner.server_args, hf_config=runner.model_config.hf_config, use_mla=runner.use_mla_backend)
@@ -79,7 +79,7 @@ def split_capacity(config, runner, *args, **kwargs):
 
 def build_pools(original, runner, *args, **kwargs):
     """AROUND ``ModelRunnerKVCacheMixin._init_pools``."""
-    if not is_enabled(runner.server_args):
+    if not shares_kv(runner.server_args):
         return original(runner, *args, **kwargs)
     if getattr(runner.memory_pool_config, PHYSICAL_TOKENS_ATTR, None) is None:
         raise RuntimeError(f"{FLAG}: the pools are being built before the capacity split ran")
@@ -107,7 +107,7 @@ def build_pools(original, runner, *args, **kwargs):
 def log_capacity(result, runner, *args, **kwargs):
     """AFTER ``ModelRunnerKVCacheMixin.init_memory_pool``."""
     context = context_of(runner)
-    if not is_enabled(runner.server_args) or context is None:
+    if not shares_kv(runner.server_args) or context is None:
         return result
     pool, layout = runner.token_to_kv_pool, context.layout
     split = CapacitySplit(

@@ -1,7 +1,10 @@
 """Every knob of the plugin, in one place.
 
 * the CLI flag ``--enable-nsa-prefill-cp-shared-kv`` (``ServerArgs`` attribute
-  ``enable_nsa_prefill_cp_shared_kv``) turns the feature on; nothing else does;
+  ``enable_nsa_prefill_cp_shared_kv``) turns the feature on; nothing else does. On the
+  prefill server it shards the KV (:func:`shares_kv`); on the decode server of the same
+  deployment it turns on that server's guards (:func:`guards_decode`:
+  :mod:`.decode_admission`);
 * ``SGLANG_DEBUG_CP_SHARED_KV=1`` turns on CUDA-syncing invariant checks and the
   debug-level logs; off by default and off for performance measurement;
 * ``SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS`` tunes the PD transfer batch size;
@@ -49,8 +52,21 @@ DEFAULT_TRANSFER_BATCH_DESCRIPTORS = 1024
 
 
 def is_enabled(server_args) -> bool:
-    """Whether ``server_args`` turns the feature on (False for a stock ``ServerArgs``)."""
+    """Whether ``server_args`` carries the flag, on a server of either role (False for a
+    stock ``ServerArgs``)."""
     return bool(getattr(server_args, FLAG_DEST, False))
+
+
+def guards_decode(server_args) -> bool:
+    """The flag on a decode server (``--disaggregation-mode decode``): it shards nothing; it
+    checks its environment at startup and refuses at once a request it can never hold."""
+    return is_enabled(server_args) and getattr(server_args, "disaggregation_mode", None) == "decode"
+
+
+def shares_kv(server_args) -> bool:
+    """The flag on any other server (a PD prefill; validation refuses the rest): its CP
+    ranks shard the KV, build the shared pool, hook the forward path and send shards."""
+    return is_enabled(server_args) and not guards_decode(server_args)
 
 
 def _env_true(name: str) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, logical_tokens_for
+from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS, decode_pool_tokens_for_context
 from sglang_cp_shared_kv.kv_geometry import DENSE_DUMMY_PAGES, GIB, PAGE_SIZE, NsaModelShape, normalize_kv_cache_dtype
 
 
@@ -37,6 +38,9 @@ class RequestPlan:
     scratch_mla_bytes_with_prefetch: int
     pd_bytes_replicated: int
     pd_send_per_rank: List[RankSend]
+    #: the decode pool (tokens, per decode GPU) that admits every request of this context
+    #: length with SGLang's default reserved decode tokens (decode_admission)
+    decode_pool_tokens: int
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ def plan_request(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str,
         scratch_mla_bytes_with_prefetch=2 * dense_pages * mla_page,
         pd_bytes_replicated=pages * (mla_page + index_page) * shape.num_layers,
         pd_send_per_rank=sends,
+        decode_pool_tokens=decode_pool_tokens_for_context(context_len),
     )
 
 
@@ -185,6 +190,9 @@ def format_plan(plan: CapacityPlan) -> str:
             "with SGLANG_CP_SHARED_KV_PREFETCH=1)",
             f"PD send, replicated        {_gib(req.pd_bytes_replicated)} from one sender "
             f"(decode holds the same per GPU for this request)",
+            f"decode pool                >= {req.decode_pool_tokens:,} tokens per decode GPU for --context-length "
+            f"{req.context_len:,} (the prompt + {DEFAULT_RESERVED_DECODE_TOKENS} reserved decode tokens; a "
+            "smaller decode refuses the longest requests, at once with the flag on decode)",
         ]
         for send in req.pd_send_per_rank:
             lines.append(

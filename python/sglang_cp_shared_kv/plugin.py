@@ -10,7 +10,7 @@ With the flag on, startup verifies that every hook below is in place
 
 from __future__ import annotations
 
-from sglang_cp_shared_kv import capacity, metrics, server_args
+from sglang_cp_shared_kv import capacity, decode_server, metrics, server_args
 from sglang_cp_shared_kv.forward import hooks as forward
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
 from sglang_cp_shared_kv.transfer import hooks as transfer
@@ -23,6 +23,7 @@ _INDEXER = "sglang.srt.layers.attention.nsa.nsa_indexer.Indexer"
 _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
+_DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 
 HOOKS = (
     # --- the flag, validation, capacity, metrics
@@ -67,6 +68,10 @@ HOOKS = (
              transfer.report_failure_cause_to_decode, "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
     HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
+    # --- the decode server (flag on there too): refuse at once a request it can never hold
+    HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
+    HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,
+             "around"),
 )
 
 

@@ -35,7 +35,9 @@ from sglang_cp_shared_kv.config import (
     FLAG_DEST,
     FLAG_HELP,
     TESTING_ALLOW_NON_PD_ENV,
+    guards_decode,
     is_enabled,
+    shares_kv,
     testing_non_pd_allowed,
 )
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
@@ -125,7 +127,7 @@ def nsa_backends_for_in_seq_split(original, self, kv_cache_dtype, *args, **kwarg
     chosen ``flashmla_kv`` with the fix)."""
     user_set = {side: getattr(self, f"nsa_{side}_backend", None) is not None for side in _NSA_BACKEND_SIDES}
     result = original(self, kv_cache_dtype, *args, **kwargs)
-    if not (is_enabled(self) and kv_cache_dtype == "fp8_e4m3" and self.enable_nsa_prefill_context_parallel
+    if not (shares_kv(self) and kv_cache_dtype == "fp8_e4m3" and self.enable_nsa_prefill_context_parallel
             and self.nsa_prefill_cp_mode == "in-seq-split"):
         return result
     changed = []
@@ -144,7 +146,12 @@ def nsa_backends_for_in_seq_split(original, self, kv_cache_dtype, *args, **kwarg
 
 def validate_after_stock_checks(result, server_args, *args, **kwargs):
     """AFTER ``ServerArgs.check_server_args`` (main process)."""
-    if is_enabled(server_args):
+    if guards_decode(server_args):
+        hook_check.require_hooks_applied("main process")
+        validate(server_args)
+        logger.info("%s: decode server of a shared-KV deployment: it refuses at once a request it can "
+                    "never hold (docs/deploy.md, 'Sizing decode').", FLAG)
+    elif is_enabled(server_args):
         hook_check.require_hooks_applied("main process")
         validate(server_args)
         if server_args.disaggregation_mode == "null":
@@ -180,12 +187,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         refuse(f"--device {server_args.device}" + (" (ROCm)" if torch.version.hip else ""),
                "shared KV runs on CUDA GPUs only for now; run the prefill server on NVIDIA GPUs "
                "or drop the flag.")
-    architectures = getattr(hf_config, "architectures", None) or ["?"]
-    if not sg.is_deepseek_nsa(hf_config):
-        refuse(f"--model-path {server_args.model_path} ({architectures[0]})",
-               "shared KV shards the NSA indexer and MLA caches of DeepSeek-V3.2 / GLM-5 style "
-               "models; this model is not NSA. Drop the flag for this model.")
-    elif not use_mla:
+    if not _nsa_model_problem(server_args, hf_config, refuse) and not use_mla:
         refuse(f"--model-path {server_args.model_path}",
                "the model does not run with the MLA attention backend; shared KV needs the MLA "
                "latent cache. Use --attention-backend nsa (the default for NSA models).")
@@ -226,17 +228,10 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
     if server_args.disaggregation_mode != "prefill" and not testing_without_pd:
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV, so it cannot decode locally; run "
-               "this server with --disaggregation-mode prefill and a separate (non-CP) decode server.")
+               "this server with --disaggregation-mode prefill and a separate (non-CP) decode server "
+               "(with the flag there too: docs/deploy.md).")
     if not testing_without_pd:
-        if server_args.disaggregation_transfer_backend != "mooncake":
-            refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
-                   "the per-rank shard transfer is implemented for Mooncake only; set "
-                   "--disaggregation-transfer-backend mooncake.")
-        if not _env_flag(_ALL_CP_RANKS_ENV):
-            refuse(f"{_ALL_CP_RANKS_ENV} is not set",
-                   "every CP rank must send its own pages; export "
-                   f"{_ALL_CP_RANKS_ENV}=1 on this server and on the decode server (so decode "
-                   "waits for a response from every prefill CP rank).")
+        _pd_problems(server_args, refuse, other="decode")
     if _env_flag(_STAGING_ENV):
         refuse(f"{_STAGING_ENV}=1", f"the PD staging buffer is not supported with shared KV; unset {_STAGING_ENV}.")
     if server_args.enable_hierarchical_cache:
@@ -264,11 +259,8 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "it splits a prefill forward into two micro-batches, each with its own attention "
                "metadata, while shared KV builds one dense view per forward; not supported with "
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
-    if getattr(server_args, "use_ray", False):
-        refuse("--use-ray",
-               "SGLang's Ray scheduler actors do not load plugins (ray/scheduler_actor.py), so "
-               "every CP rank would run stock, replicated KV while this process reports shared KV "
-               "on; launch the prefill server without --use-ray.")
+    _ray_problem(server_args, refuse, "every CP rank would run stock, replicated KV while this process "
+                 "reports shared KV on", "prefill")
     if server_args.prefill_only_disable_kv_cache:
         refuse("--prefill-only-disable-kv-cache",
                "shared KV needs the paged KV cache; remove --prefill-only-disable-kv-cache.")
@@ -279,9 +271,65 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
     return problems
 
 
+def decode_configuration_problems(server_args, *, hf_config: Any = None) -> List[str]:
+    """Every reason a decode server cannot take the flag (it marks the decode of a
+    shared-KV deployment: :mod:`..decode_admission`), each naming the setting and the fix."""
+    if hf_config is None:
+        hf_config = server_args.get_model_config().hf_config
+    problems: List[str] = []
+
+    def refuse(setting: str, why_and_fix: str) -> None:
+        problems.append(f"{setting}: {why_and_fix}")
+
+    _nsa_model_problem(server_args, hf_config, refuse)
+    _pd_problems(server_args, refuse, other="prefill")
+    if server_args.enable_hisparse:
+        refuse("--enable-hisparse", "HiSparse admits decode requests by its own logical pool, which the "
+               "flag's admission bound does not model; not supported with the flag yet. Remove "
+               "--enable-hisparse from the decode server.")
+    _ray_problem(server_args, refuse, "a request this decode can never hold would wait at the head of its "
+                 "queue while this process reports the guard on", "decode")
+    return problems
+
+
+def _nsa_model_problem(server_args, hf_config, refuse) -> bool:
+    """Refuse a model that is not NSA (True when refused)."""
+    if sg.is_deepseek_nsa(hf_config):
+        return False
+    architectures = getattr(hf_config, "architectures", None) or ["?"]
+    refuse(f"--model-path {server_args.model_path} ({architectures[0]})",
+           "shared KV shards the NSA indexer and MLA caches of DeepSeek-V3.2 / GLM-5 style "
+           "models; this model is not NSA. Drop the flag for this model.")
+    return True
+
+
+def _pd_problems(server_args, refuse, *, other: str) -> None:
+    """The PD transfer both servers of a deployment need (``other``: the other server's role)."""
+    if server_args.disaggregation_transfer_backend != "mooncake":
+        refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
+               "the per-rank shard transfer is implemented for Mooncake only; set "
+               "--disaggregation-transfer-backend mooncake.")
+    if not _env_flag(_ALL_CP_RANKS_ENV):
+        refuse(f"{_ALL_CP_RANKS_ENV} is not set",
+               "every CP rank must send its own pages; export "
+               f"{_ALL_CP_RANKS_ENV}=1 on this server and on the {other} server (so decode "
+               "waits for a response from every prefill CP rank).")
+
+
+def _ray_problem(server_args, refuse, consequence: str, role: str) -> None:
+    if getattr(server_args, "use_ray", False):
+        refuse("--use-ray",
+               f"SGLang's Ray scheduler actors do not load plugins (ray/scheduler_actor.py), so "
+               f"{consequence}; launch the {role} server without --use-ray.")
+
+
 def validate(server_args, *, hf_config: Any = None, use_mla: Optional[bool] = None) -> None:
-    """Raise :class:`CpSharedKVConfigError` listing every problem, or return."""
-    problems = configuration_problems(server_args, hf_config=hf_config, use_mla=use_mla)
+    """Raise :class:`CpSharedKVConfigError` listing every problem, or return (the checks of
+    the server's role: a decode server's, or a shared-KV prefill's)."""
+    if guards_decode(server_args):
+        problems = decode_configuration_problems(server_args, hf_config=hf_config)
+    else:
+        problems = configuration_problems(server_args, hf_config=hf_config, use_mla=use_mla)
     if problems:
         raise CpSharedKVConfigError(
             f"{FLAG} cannot start with this configuration:\n"

@@ -114,6 +114,7 @@ LAUNCH_CASES = {
     "decode-tp8": ("launch_decode.sh", ["--model", "deepseek-ai/DeepSeek-V3.2", "--tp", "8"]),
     "decode-two-nodes": ("launch_decode.sh", ["--model", "m", "--tp", "16", "--nnodes", "2", "--node-rank", "0",
                                               "--dist-init-addr", "10.0.0.3:5000", "--kv-cache-dtype", "fp8_e4m3"]),
+    "decode-off": ("launch_decode.sh", ["--model", "m", "--tp", "1", "--off"]),
 }
 
 
@@ -128,8 +129,7 @@ def test_launch_scripts_print_a_command_sglang_parses(case):
     assert "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1" in proc.stdout
     argv = shlex.split(proc.stdout.replace("\\\n", " "))
     parsed = _parse_launch(_sglang_parser(), _launch_server_args(argv))
-    shared = script == "launch_prefill.sh" and "--off" not in options
-    assert getattr(parsed, FLAG_DEST) is shared
+    assert getattr(parsed, FLAG_DEST) is ("--off" not in options)  # the flag on both servers unless --off
     if script == "launch_prefill.sh":
         assert parsed.tensor_parallel_size == int(options[options.index("--cp-size") + 1])
         assert parsed.disaggregation_mode == "prefill" and parsed.nsa_prefill_cp_mode == "in-seq-split"
@@ -154,6 +154,33 @@ def test_launch_scripts_refuse_bad_options(script, options, message):
     assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr)
 
 
+def _documented_launch_script_calls():
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for script in ("launch_prefill.sh", "launch_decode.sh"):
+            found += [(doc.name, argv) for argv in _commands(text, f"scripts/{script}")]
+    return found
+
+
+def test_docs_show_launch_script_calls():
+    assert len([1 for name, _ in _documented_launch_script_calls() if name == "deploy.md"]) >= 4
+
+
+@pytest.mark.parametrize("where,argv", _documented_launch_script_calls(),
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_every_documented_launch_script_call_prints_a_command_sglang_parses(where, argv):
+    """The launch-script lines of the docs, as written (``…`` elisions aside), dry-run."""
+    script = next(a for a in argv if a.startswith("scripts/launch_"))
+    options = [a for a in argv[argv.index(script) + 1:] if a != "…"]
+    proc = subprocess.run(["bash", str(ROOT / script), "--dry-run", *options], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, (where, argv, proc.stderr)
+    printed = shlex.split(proc.stdout.replace("\\\n", " "))
+    parsed = _parse_launch(_sglang_parser(), _launch_server_args(printed))
+    assert getattr(parsed, FLAG_DEST) is ("--off" not in options)
+
+
 def test_deploy_planner_table_matches_the_planner():
     """docs/deploy.md's sizing table: every row recomputed at 25 GB per rank, 163,840 tokens."""
     from sglang_cp_shared_kv.kv_geometry import GIB, NsaModelShape
@@ -170,3 +197,20 @@ def test_deploy_planner_table_matches_the_planner():
                f"{plan.replicated_logical_tokens:,} | {plan.request.pd_bytes_replicated / GIB:.2f} GB | "
                f"{send.pages} pages, {(send.kv_bytes + send.index_bytes) / GIB:.2f} GB |")
         assert row in text, row
+
+
+def test_deploy_cp16_planner_figures_match_the_planner():
+    """docs/deploy.md's CP16 sentence (GLM-5, fp8, 25 GB per rank, 202,752 tokens), recomputed."""
+    from sglang_cp_shared_kv.kv_geometry import GIB, NsaModelShape
+    from sglang_cp_shared_kv.planner import plan_capacity
+
+    text = " ".join((ROOT / "docs" / "deploy.md").read_text().split())
+    plan = plan_capacity(NsaModelShape.load("glm-5"), 16, "fp8_e4m3", kv_gb_per_rank=25, context_len=202_752)
+    sends = {(s.pages, round((s.kv_bytes + s.index_bytes) / GIB, 2)) for s in plan.request.pd_send_per_rank}
+    ((pages, gb),) = sends  # 3,168 pages split evenly over 16 ranks
+    sentence = (f"{plan.physical_tokens_per_rank:,} physical tokens per rank, {plan.logical_tokens:,} logical "
+                f"tokens (replicated CP16 exposes {plan.replicated_logical_tokens:,}), decode pool >= "
+                f"{plan.request.decode_pool_tokens:,} tokens per decode GPU, and each rank sends {pages} of the "
+                f"prompt's {plan.request.pages:,} pages ({gb:.2f} GB)")
+    assert sentence in text, sentence
+

@@ -174,3 +174,77 @@ def test_fp8_backend_defaults_stay_stock_without_the_flag_or_when_chosen(tiny_ns
     assert _backends(bf16) == ("flashmla_sparse", "fa3")  # SGLang's Hopper bf16 defaults
     chosen = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="fp8_e4m3", nsa_decode_backend="fa3"))
     assert _backends(chosen) == ("flashmla_sparse", "fa3")  # only the unset side changes
+
+
+# ------------------------------------------------ the flag on a decode server
+# id: (ServerArgs keywords, attributes set after construction, env changes, setting named, fix named)
+DECODE_REFUSALS = {
+    "not_mooncake": ({"disaggregation_transfer_backend": "nixl"}, {}, {},
+                     "--disaggregation-transfer-backend nixl", "--disaggregation-transfer-backend mooncake"),
+    "all_cp_ranks_env_unset": ({}, {}, {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None},
+                               "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is not set",
+                               "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on this server and on the prefill"),
+    "hisparse": ({"nsa_decode_backend": "flashmla_sparse"}, {"enable_hisparse": True}, {}, "--enable-hisparse",
+                 "Remove --enable-hisparse from the decode"),
+    "ray_scheduler_actors": ({}, {"use_ray": True}, {}, "--use-ray", "launch the decode server without --use-ray"),
+}
+
+
+def _decode(model, kwargs, post, env, monkeypatch):
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_cp_shared_kv.testing.support import decode_guard_kwargs
+
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    server_args = ServerArgs(**decode_guard_kwargs(model, **kwargs))
+    for name, value in post.items():
+        setattr(server_args, name, value)
+    return server_args
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_REFUSALS))
+def test_the_flag_on_a_decode_server_refuses_each_unsupported_setting(case, tiny_nsa_model, monkeypatch):
+    from sglang_cp_shared_kv.server_args import decode_configuration_problems
+
+    kwargs, post, env, setting, fix = DECODE_REFUSALS[case]
+    server_args = _decode(tiny_nsa_model, kwargs, post, env, monkeypatch)
+    (problem,) = decode_configuration_problems(server_args)  # one change, one problem naming it
+    assert problem.startswith(setting) and fix in problem, problem
+    with pytest.raises(CpSharedKVConfigError, match=f"{FLAG} cannot start with this configuration"):
+        server_args.check_server_args()
+
+
+def test_the_flag_on_a_decode_server_refuses_a_model_that_is_not_nsa(tiny_mla_model, monkeypatch):
+    server_args = _decode(tiny_mla_model, {}, {}, {}, monkeypatch)
+    with pytest.raises(CpSharedKVConfigError, match=r"DeepseekV3ForCausalLM.*not NSA"):
+        server_args.check_server_args()
+
+
+def test_the_flag_on_a_decode_server_is_accepted_without_the_prefill_settings(tiny_nsa_model, monkeypatch, caplog):
+    """A decode server has no CP group, no prefill CP mode and one GPU: none of the prefill's
+    checks apply to it, and it says what the flag does there."""
+    from sglang_cp_shared_kv.config import guards_decode, shares_kv
+
+    server_args = _decode(tiny_nsa_model, {}, {}, {}, monkeypatch)
+    assert guards_decode(server_args) and not shares_kv(server_args)
+    with caplog.at_level("INFO", logger="sglang_cp_shared_kv.server_args"):
+        server_args.check_server_args()
+    assert "decode server of a shared-KV deployment" in caplog.text
+    # the same server as a prefill would be refused for every prefill requirement it lacks
+    assert len(configuration_problems(server_args)) >= 3
+
+
+def test_troubleshooting_names_every_decode_refusal():
+    """docs/troubleshooting.md's decode-server section has a row for each decode refusal."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md").read_text()
+    section = text.split("## At startup on the decode server", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    for case, (_, _, _, setting, _) in DECODE_REFUSALS.items():
+        assert any(row.startswith(f"| `{setting.split(' ')[0]}") for row in rows), case
+    assert any("not NSA" in row for row in rows)

@@ -21,7 +21,7 @@ import pytest
 PACKAGE = "sglang_cp_shared_kv"
 ROOT = Path(__file__).resolve().parents[2] / "python" / PACKAGE
 PURE = ("cp_shared_kv_layout", "kv_geometry", "planner", "config", "scoped", "page_split", "selfcheck.options",
-        "transfer.pages", "transfer.failure_cause", "stage_timer", "prometheus_registry")
+        "transfer.pages", "transfer.failure_cause", "stage_timer", "prometheus_registry", "decode_admission")
 
 
 def module_name(path: Path) -> str:

@@ -38,6 +38,15 @@ def shared_kv_kwargs(model_path, **overrides):
     return kwargs
 
 
+def decode_guard_kwargs(model_path, **overrides):
+    """ServerArgs keywords of a valid decode server of a shared-KV deployment (flag on)."""
+    kwargs = dict(model_path=model_path, skip_tokenizer_init=True, device="cuda", tp_size=1,
+                  disaggregation_mode="decode", disaggregation_transfer_backend="mooncake",
+                  enable_nsa_prefill_cp_shared_kv=True)
+    kwargs.update(overrides)
+    return kwargs
+
+
 #: The repository's ``scripts/`` (tests load benchmark scripts from it as modules).
 SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
 

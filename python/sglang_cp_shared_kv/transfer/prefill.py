@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG, is_enabled
+from sglang_cp_shared_kv.config import FLAG, shares_kv
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.nvtx import marked
 from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failed_status, encode_failure_cause
@@ -491,7 +491,7 @@ def prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
     context = built_prefill_transfer(kv_mgr)
     if context is not None:
         return context
-    if not is_enabled(getattr(kv_mgr, "server_args", None)):
+    if not shares_kv(getattr(kv_mgr, "server_args", None)):
         return None
     if kv_mgr.disaggregation_mode != sg.DisaggregationMode.PREFILL:
         return None
