@@ -15,18 +15,28 @@ in-seq-split, docs/troubleshooting.md) and SGLang's default on decode (its
 script, the Mooncake CUDA 13 install and stock PD on one H200.
 
 Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 as
-``scripts/e2e_cp2_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``):
+``scripts/e2e_cp2_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``; "flag
+on" is the deployment of docs/deploy.md: the flag on the prefill and on the decode server):
 
   off         flag off, prefill pool ``--max-total-tokens POOL`` (per rank)
   off_b       the same again: run-to-run determinism
-  off_big     flag off, a prefill pool that holds the over-pool prompt: its reference
+  off_big     flag off, a prefill pool that holds the over-pool prompts: their reference
   on          flag on, POOL physical tokens per rank (N x POOL logical)       [N >= 2]
   on_corrupt  flag on, CP rank 1 sends each chunk's first page in place of its second [N >= 2]
+  off_small_decode      flag off, decode pool ``--max-total-tokens DECODE_POOL``
+  guarded_small_decode  the same with the flag on the decode server only (it needs no CP)
+  on_small_decode       flag on, decode pool DECODE_POOL                 [N >= 2]
 
-Each run posts every prompt to both servers with one bootstrap room: ``short`` (one
-chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first 4,096 tokens
-from the prefill's radix cache + 1,000 new), ``over_pool`` (1.5 x POOL tokens: more than
-one prefill rank holds). Decode generates 8 tokens greedily with their logprobs.
+Each of the first five posts every prompt to both servers with one bootstrap room:
+``short`` (one chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first
+4,096 tokens from the prefill's radix cache + 1,000 new), ``over_pool`` (1.5 x POOL
+tokens: more than one prefill rank holds), ``over_logical`` (2.5 x POOL: more than N = 2
+ranks hold, refused by the prefill). Decode generates 8 tokens greedily with their logprobs.
+The small-decode runs probe a decode that cannot hold what the prefill admits
+(decode_admission.py): ``decode_over`` (1.5 x DECODE_POOL: longer than decode's pool),
+then ``decode_window`` (shorter than decode's pool, but its prompt + 512 reserved decode
+tokens are not) and, while it waits, ``short_behind`` (the short prompt); the clients give
+up after HANG_PROBE_S, the prefill after its bootstrap timeout (20 s in these runs).
 
 Both servers run SGLang's NSA top-k kernels replaced by the deterministic stand-ins of
 ``sglang_cp_shared_kv.testing.stable_topk`` (``--stock-topk`` keeps the kernels; then
@@ -35,8 +45,14 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
 * off_b = off, on = off, and over_pool of on = over_pool of off_big: decode's token ids
   and logprobs bit-identical (prompts the baseline answered);
 * on_corrupt: every prompt's decode answer differs from on's, or fails;
-* over_pool in off (stock SGLang refuses the prompt on prefill) is recorded, not judged:
-  stock decode answers it from KV that never arrived (docs/troubleshooting.md).
+* on: over_logical, which its prefill refuses at N = 2, fails on decode at once, naming the
+  cause (N >= 3: on = off_big, bit for bit); off_big answers it;
+* guarded_small_decode, on_small_decode: decode refuses decode_over and decode_window at
+  once (decode_window naming the flag), and answers short_behind (equal to off's short
+  where off ran);
+* over_pool in off (stock SGLang refuses the prompt on prefill) and off_small_decode are
+  recorded, not judged: stock decode answers the former from KV that never arrived, and
+  leaves decode_window and every request behind it waiting (docs/troubleshooting.md).
 
 Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
 later call while the machine is warm); the report compares what is there and passes only
@@ -56,6 +72,7 @@ import threading
 import time
 import urllib.error
 from pathlib import Path
+from typing import NamedTuple, Optional
 
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
@@ -75,13 +92,39 @@ from sglang_cp_shared_kv.testing.server import (
 CHUNK = 2048  # --chunked-prefill-size
 POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
 BIG_POOL = 32768
+DECODE_POOL = 8192  # --max-total-tokens of decode in the small-decode runs
+RESERVED_DECODE = 512  # SGLang's --num-reserved-decode-tokens default
 NEW_TOKENS = 8
 MODEL = {**TINY_DSV32, "max_position_embeddings": 32768}
-RUNS = {  # name: (flag on, prefill pool, corrupt-send rank)
-    "off": (False, POOL, None), "off_b": (False, POOL, None), "off_big": (False, BIG_POOL, None),
-    "on": (True, POOL, None), "on_corrupt": (True, POOL, 1),
+#: NOTE: longer than the small-decode runs' bootstrap timeout (20 s): by then the prefill has
+#: given up on the request, so a decode that still holds it holds it for good
+HANG_PROBE_S = 45
+SMALL_DECODE_BOOTSTRAP_TIMEOUT_S = 20
+#: a refusal "at once": well under every timeout of these runs
+AT_ONCE_S = 10
+
+
+class Run(NamedTuple):
+    flag_on: bool  # the flag on the prefill (and, with it, on decode: the deployment of docs/deploy.md)
+    prefill_pool: int
+    corrupt_rank: Optional[int] = None  # the CP rank whose sends scripts/e2e/sitecustomize.py corrupts
+    decode_pool: Optional[int] = None  # decode's --max-total-tokens (None: what its memory fraction gives)
+    decode_flag: bool = False
+
+    @property
+    def small_decode(self) -> bool:
+        return self.decode_pool is not None
+
+
+RUNS = {
+    "off": Run(False, POOL), "off_b": Run(False, POOL), "off_big": Run(False, BIG_POOL),
+    "on": Run(True, POOL, decode_flag=True), "on_corrupt": Run(True, POOL, corrupt_rank=1, decode_flag=True),
+    "off_small_decode": Run(False, BIG_POOL, decode_pool=DECODE_POOL),
+    "guarded_small_decode": Run(False, BIG_POOL, decode_pool=DECODE_POOL, decode_flag=True),
+    "on_small_decode": Run(True, POOL, decode_pool=DECODE_POOL, decode_flag=True),
 }
-RUNS_WITHOUT_CP = ["off", "off_b", "off_big"]  # --cp-size 1: no CP, so no flag
+#: --cp-size 1: no CP, so no flag on the prefill (the decode server's flag needs none)
+RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small_decode"]
 
 
 def runs_for(cp_size: int):
@@ -90,6 +133,7 @@ def runs_for(cp_size: int):
 EXACT = (("off_b", "off", ("short", "chunked", "radix_hit")),
          ("on", "off", ("short", "chunked", "radix_hit")),
          ("on", "off_big", ("over_pool",)))
+SMALL_DECODE_RUNS = ("guarded_small_decode", "on_small_decode")
 
 
 def prompts():
@@ -104,10 +148,23 @@ def prompts():
         "chunked": chunked,
         "radix_hit": chunked[:2 * CHUNK] + tokens(3, 1000),
         "over_pool": tokens(4, POOL * 3 // 2),
+        "over_logical": tokens(5, POOL * 5 // 2),
     }
 
 
-def server_commands(args, flag_on, pool, ports):
+def small_decode_prompts():
+    """The small-decode probe's prompts, in the order they are posted (module docstring)."""
+    import numpy as np
+
+    return {
+        "decode_over": np.random.default_rng(6).integers(2, MODEL["vocab_size"], size=DECODE_POOL * 3 // 2).tolist(),
+        "decode_window": np.random.default_rng(7).integers(
+            2, MODEL["vocab_size"], size=DECODE_POOL - RESERVED_DECODE // 2).tolist(),
+        "short_behind": prompts()["short"],
+    }
+
+
+def server_commands(args, run: Run, ports):
     """(prefill cmd, decode cmd) of one run."""
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--load-format",
             "dummy", "--skip-tokenizer-init", "--trust-remote-code", "--page-size", "64", "--disable-cuda-graph",
@@ -119,7 +176,7 @@ def server_commands(args, flag_on, pool, ports):
         base += backends
     prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
                       "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
-                      "--max-total-tokens", str(pool)]
+                      "--max-total-tokens", str(run.prefill_pool)]
     decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
     if args.cp_size > 1 and args.kv_cache_dtype != "bfloat16":
         # NOTE: the prefill only: flashmla_kv fails with in-seq-split fp8; decode is not CP
@@ -132,29 +189,33 @@ def server_commands(args, flag_on, pool, ports):
     else:  # both on GPU 0: what the prefill leaves
         prefill += ["--tp", "1", "--mem-fraction-static", "0.3"]
         decode += ["--tp", "1", "--mem-fraction-static", "0.3"]
-    if flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
+    if run.flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
         prefill += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
+    if run.decode_flag:
+        decode.append("--enable-nsa-prefill-cp-shared-kv")
+    if run.decode_pool is not None:
+        decode += ["--max-total-tokens", str(run.decode_pool)]
     return prefill, decode
 
 
-def run_env(args, corrupt_rank):
+def run_env(args, run: Run):
+    bootstrap_timeout = SMALL_DECODE_BOOTSTRAP_TIMEOUT_S if run.small_decode else 60
     env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
                    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
                    # a refused or lost request fails within a minute instead of 300 s
-                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60", "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"})
+                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(bootstrap_timeout)})
     if not args.stock_topk:
         env["CPSKV_E2E_STABLE_TOPK"] = "1"
-    if corrupt_rank is not None:
-        env["CPSKV_E2E_CORRUPT_SEND_RANK"] = str(corrupt_rank)
+    if run.corrupt_rank is not None:
+        env["CPSKV_E2E_CORRUPT_SEND_RANK"] = str(run.corrupt_rank)
     return env
 
 
-def _answer(port, body, out, key):
+def _answer(port, body, out, key, timeout):
     t0 = time.monotonic()
     try:
-        # NOTE: SGLang's waiting/bootstrap timeouts are 60 s here (run_env): a request lost
-        # in PD fails well within this
-        result = post(port, "/generate", body, timeout=150)
+        result = post(port, "/generate", body, timeout=timeout)
         out[key] = {"status": "ok", "response": result}
     except urllib.error.HTTPError as exc:
         out[key] = {"status": "http_error", "code": exc.code, "error": exc.read().decode(errors="replace")[-2000:]}
@@ -163,14 +224,17 @@ def _answer(port, body, out, key):
     out[key]["elapsed_s"] = round(time.monotonic() - t0, 3)
 
 
-def generate_pd(ports, ids, room):
+def generate_pd(ports, ids, room, timeout=150):
     """Post one prompt to prefill and decode (one bootstrap room); decode's answer as
-    {status, ids, logprobs, finish_reason, error}, and the prefill's status."""
+    {status, ids, logprobs, finish_reason, error}, and the prefill's status. ``timeout``:
+    how long each client waits (NOTE: the default is well past SGLang's 60 s waiting and
+    bootstrap timeouts of these runs, so a request lost in PD fails within it)."""
     body = {"input_ids": ids, "return_logprob": True, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": ports["bootstrap"], "bootstrap_room": room,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
     out = {}
-    workers = [threading.Thread(target=_answer, args=(ports[side], body, out, side)) for side in ("prefill", "decode")]
+    workers = [threading.Thread(target=_answer, args=(ports[side], body, out, side, timeout))
+               for side in ("prefill", "decode")]
     for w in workers:
         w.start()
     for w in workers:
@@ -204,8 +268,17 @@ def max_logprob_gap(a, b):
     return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
 
 
-def verdict(runs):
-    """Checks over the runs present (see the module docstring)."""
+def refused_at_once(answer, naming=None):
+    """Decode failed the request (an HTTP error or an abort) within AT_ONCE_S, its message
+    naming ``naming`` when given."""
+    return (answer["status"] in ("http_error", "aborted") and answer.get("elapsed_s", AT_ONCE_S) < AT_ONCE_S
+            and (naming is None or naming in (answer.get("error") or "")))
+
+
+def verdict(runs, cp_size=2):
+    """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's."""
+    from sglang_cp_shared_kv.config import FLAG
+
     checks = {}
     for run, base, names in EXACT:
         if run in runs and base in runs:
@@ -213,7 +286,25 @@ def verdict(runs):
                 checks[f"{run}={base}:{name}"] = same_answer(runs[run]["prompts"][name]["decode"],
                                                              runs[base]["prompts"][name]["decode"])
     if "off_big" in runs:
-        checks["off_big answers over_pool"] = runs["off_big"]["prompts"]["over_pool"]["decode"]["status"] == "ok"
+        for name in ("over_pool", "over_logical"):
+            checks[f"off_big answers {name}"] = runs["off_big"]["prompts"][name]["decode"]["status"] == "ok"
+    if "on" in runs and cp_size * POOL < POOL * 5 // 2:
+        # its prefill refuses the prompt: decode must fail it, with the cause, at once
+        checks["on fails over_logical on decode at once"] = refused_at_once(
+            runs["on"]["prompts"]["over_logical"]["decode"], naming="cause")
+    elif "on" in runs and "off_big" in runs:  # N >= 3 ranks hold it
+        checks["on=off_big:over_logical"] = same_answer(runs["on"]["prompts"]["over_logical"]["decode"],
+                                                        runs["off_big"]["prompts"]["over_logical"]["decode"])
+    for name in SMALL_DECODE_RUNS:
+        if name in runs:
+            probe = runs[name]["prompts"]
+            checks[f"{name} refuses decode_over at once"] = refused_at_once(probe["decode_over"]["decode"])
+            checks[f"{name} refuses decode_window at once"] = refused_at_once(probe["decode_window"]["decode"],
+                                                                              naming=FLAG)
+            checks[f"{name} answers short_behind"] = probe["short_behind"]["decode"]["status"] == "ok"
+            if "off" in runs:
+                checks[f"{name}:short_behind=off:short"] = same_answer(probe["short_behind"]["decode"],
+                                                                       runs["off"]["prompts"]["short"]["decode"])
     if "on_corrupt" in runs and "on" in runs:
         for name, answer in runs["on_corrupt"]["prompts"].items():
             checks[f"on_corrupt detected:{name}"] = not same_answer(answer["decode"],
@@ -221,27 +312,49 @@ def verdict(runs):
     return checks
 
 
+def probe_small_decode(ports, room_base):
+    """The small-decode runs' prompts (module docstring): decode_over, then decode_window and,
+    2 s later while it waits, short_behind; every client gives up after HANG_PROBE_S."""
+    ids = small_decode_prompts()
+    out = {"decode_over": generate_pd(ports, ids["decode_over"], room_base, timeout=HANG_PROBE_S)}
+
+    def post_one(name, room):
+        out[name] = generate_pd(ports, ids[name], room, timeout=HANG_PROBE_S)
+
+    window = threading.Thread(target=post_one, args=("decode_window", room_base + 1))
+    window.start()
+    time.sleep(2)
+    post_one("short_behind", room_base + 2)
+    window.join()
+    return out
+
+
 def run_servers(name, args, work, room_base):
-    flag_on, pool, corrupt = RUNS[name]
+    run_spec = RUNS[name]
     ports = {"prefill": args.port, "decode": args.port + 1, "bootstrap": args.port + 2}
-    prefill_cmd, decode_cmd = server_commands(args, flag_on, pool, ports)
-    env = run_env(args, corrupt)
+    prefill_cmd, decode_cmd = server_commands(args, run_spec, ports)
+    env = run_env(args, run_spec)
     logs = {side: args.logdir / f"{name}.{args.tag}.{side}.log" for side in ("prefill", "decode")}
-    run = {"flag_on": flag_on, "prefill_pool": pool, "prompts": {}, "commands": {"prefill": prefill_cmd,
-                                                                                "decode": decode_cmd}}
+    run = {"flag_on": run_spec.flag_on, "decode_flag": run_spec.decode_flag, "prefill_pool": run_spec.prefill_pool,
+           "decode_pool": run_spec.decode_pool, "prompts": {},
+           "commands": {"prefill": prefill_cmd, "decode": decode_cmd}}
     t0 = time.monotonic()
     procs = [start_server(f"{name} prefill", prefill_cmd, env, ports["prefill"], logs["prefill"], args.boot_timeout)]
     try:
         procs.append(start_server(f"{name} decode", decode_cmd, env, ports["decode"], logs["decode"],
                                   args.boot_timeout))
         run["boot_s"] = round(time.monotonic() - t0, 1)
-        for i, (prompt, ids) in enumerate(prompts().items()):
-            if prompt != "radix_hit":  # the radix-hit prompt reuses the chunked prompt's cached prefix
-                post(ports["prefill"], "/flush_cache")
-            run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
-            print(f"[e2e-pd] {name} {prompt}: decode {run['prompts'][prompt]['decode']['status']} "
-                  f"in {run['prompts'][prompt]['decode']['elapsed_s']} s", flush=True)
-        if flag_on:
+        if run_spec.small_decode:
+            run["prompts"] = probe_small_decode(ports, room_base)
+        else:
+            for i, (prompt, ids) in enumerate(prompts().items()):
+                if prompt != "radix_hit":  # the radix-hit prompt reuses the chunked prompt's cached prefix
+                    post(ports["prefill"], "/flush_cache")
+                run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
+        for prompt, entry in run["prompts"].items():
+            print(f"[e2e-pd] {name} {prompt}: decode {entry['decode']['status']} in {entry['decode']['elapsed_s']} s",
+                  flush=True)
+        if run_spec.flag_on:
             run["write_paths"] = prometheus_samples(ports["prefill"], WRITE_PATHS_METRIC)
     finally:
         for proc in reversed(procs):
@@ -281,7 +394,7 @@ def main() -> int:
     runs, failed = accumulate_runs(
         work, args.tag, selected, cp_runs,
         lambda name: run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1)), "e2e-pd")
-    checks = verdict(runs)
+    checks = verdict(runs, args.cp_size)
     for name, run in runs.items():
         if not args.stock_topk:
             checks[f"stable_topk:{name}"] = not run.get("stable_topk_problems", ["not recorded"])
@@ -296,7 +409,12 @@ def main() -> int:
                                   if run in runs and base in runs},
               "prefill": {name: {p: e["prefill"] for p, e in run["prompts"].items()} for name, run in runs.items()},
               "startup": {name: run["startup"] for name, run in runs.items()},
-              "boot_s": {name: run.get("boot_s") for name, run in runs.items()}}
+              "boot_s": {name: run.get("boot_s") for name, run in runs.items()},
+              "commands": {name: run.get("commands") for name, run in runs.items()}}
+    if "off_small_decode" in runs:  # stock SGLang and a request its decode can never take: recorded
+        report["stock_small_decode"] = {
+            prompt: {k: v for k, v in entry["decode"].items() if k in ("status", "elapsed_s", "error")}
+            for prompt, entry in runs["off_small_decode"]["prompts"].items()}
     if "off" in runs and "off_big" in runs:  # stock SGLang and a prompt its prefill refused: recorded
         answer = runs["off"]["prompts"]["over_pool"]["decode"]
         reference = runs["off_big"]["prompts"]["over_pool"]["decode"]

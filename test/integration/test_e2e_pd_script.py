@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.testing.support import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,19 +31,18 @@ def _args(cp_size, dtype="bfloat16"):
 def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, flag_on, dtype):
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_shared_kv.config import FLAG
-
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)  # with the plugin's hooks applied: it adds the flag
     ports = {"prefill": 1, "decode": 2, "bootstrap": 3}
-    prefill, decode = pd.server_commands(_args(cp_size, dtype), flag_on, pd.POOL, ports)
+    prefill, decode = pd.server_commands(_args(cp_size, dtype), pd.Run(flag_on, pd.POOL, decode_flag=flag_on), ports)
     p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
     d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
     assert (p.disaggregation_mode, d.disaggregation_mode) == ("prefill", "decode")
     assert p.max_total_tokens == pd.POOL and p.disaggregation_bootstrap_port == 3 and d.base_gpu_id == 0
     assert p.tensor_parallel_size == cp_size and d.tensor_parallel_size == 1
     assert p.enable_nsa_prefill_context_parallel == (cp_size > 1)
-    assert (FLAG in prefill) == flag_on and FLAG not in decode
+    assert (FLAG in prefill) == flag_on and (FLAG in decode) == flag_on  # the flag on both servers
+    assert d.max_total_tokens is None
     # bf16: flashmla_sparse on both. fp8: with CP the prefill runs flashmla_sparse, flag off too
     # (stock fp8's flashmla_kv crashes there); decode keeps SGLang's fp8 default (its
     # flashmla_sparse decode reads the fp8 cache without dequantizing it)
@@ -74,27 +74,79 @@ def test_decode_answers_are_recorded_as_answered_aborted_or_failed(pd):
     assert not pd.same_answer(aborted, aborted) and pd.same_answer(ok, dict(ok))
 
 
-def _runs(pd, corrupt_differs=True, on_gap=0.0):
+def _runs(pd, corrupt_differs=True, on_gap=0.0, guard_waits=False):
     def answer(value):
         return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0]}, "prefill": {"status": "ok"}}
 
+    def refused(message, elapsed=0.1):
+        return {"decode": {"status": "http_error", "error": message, "elapsed_s": elapsed},
+                "prefill": {"status": "error"}}
+
     base = {name: answer(-0.5) for name in pd.prompts()}
-    runs = {name: {"prompts": dict(base)} for name in pd.runs_for(2)}
+    runs = {name: {"prompts": dict(base)} for name in pd.runs_for(2) if not pd.RUNS[name].small_decode}
     runs["off"]["prompts"]["over_pool"] = {"decode": {"status": "ok", "ids": [0, 0], "logprobs": [0.0, 0.0]}}
     runs["on"] = {"prompts": {name: answer(-0.5 + on_gap) for name in base}}
+    runs["on"]["prompts"]["over_logical"] = refused("...; cause: prefill CP rank 1 of 2: rejected room 7")
     runs["on_corrupt"] = {"prompts": {name: answer(-0.7 if corrupt_differs else -0.5 + on_gap) for name in base}}
+    window = refused(f"Request r: {FLAG}: this decode server can never hold the request",
+                     elapsed=pd.HANG_PROBE_S if guard_waits else 0.2)
+    for name in ("off_small_decode", "guarded_small_decode", "on_small_decode"):
+        runs[name] = {"prompts": {"decode_over": refused("exceeds the maximum number of tokens"),
+                                  "decode_window": window, "short_behind": answer(-0.5)}}
+    runs["off_small_decode"]["prompts"]["decode_window"] = {"decode": {"status": "error", "error": "timed out",
+                                                                       "elapsed_s": pd.HANG_PROBE_S}}
     return runs
 
 
 def test_verdict_is_exact_and_needs_the_control_to_show(pd):
     checks = pd.verdict(_runs(pd))
     assert all(checks.values()) and "on=off_big:over_pool" in checks and "on=off:over_pool" not in checks
-    assert len([c for c in checks if c.startswith("on_corrupt detected")]) == 4
+    assert len([c for c in checks if c.startswith("on_corrupt detected")]) == len(pd.prompts())
     assert not pd.verdict(_runs(pd, on_gap=1e-7))["on=off:short"]  # one ulp-sized gap fails
     assert not pd.verdict(_runs(pd, corrupt_differs=False))["on_corrupt detected:chunked"]
+    assert checks["on fails over_logical on decode at once"]
     one_gpu = {name: run for name, run in _runs(pd).items() if name in pd.runs_for(1)}
-    assert set(pd.verdict(one_gpu)) == {"off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit",
-                                    "off_big answers over_pool"}
+    assert set(pd.verdict(one_gpu, cp_size=1)) == {
+        "off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit", "off_big answers over_pool",
+        "off_big answers over_logical", "guarded_small_decode refuses decode_over at once",
+        "guarded_small_decode refuses decode_window at once", "guarded_small_decode answers short_behind",
+        "guarded_small_decode:short_behind=off:short"}
+
+
+def test_the_small_decode_verdict_needs_a_refusal_at_once_that_names_the_flag(pd):
+    """A decode that answers, waits (the stock hang) or refuses without the flag's message
+    fails the guarded runs' checks; the stock run is recorded, never judged."""
+    assert all(v for k, v in pd.verdict(_runs(pd)).items() if "small_decode" in k)
+    assert not any(k.startswith("off_small_decode") for k in pd.verdict(_runs(pd)))
+    waited = pd.verdict(_runs(pd, guard_waits=True))
+    assert not waited["guarded_small_decode refuses decode_window at once"]
+    runs = _runs(pd)
+    runs["on_small_decode"]["prompts"]["decode_window"]["decode"]["error"] = "exceeds the maximum number of tokens"
+    assert not pd.verdict(runs)["on_small_decode refuses decode_window at once"]
+    runs["guarded_small_decode"]["prompts"]["short_behind"] = {"decode": {"status": "error", "elapsed_s": 45}}
+    assert not pd.verdict(runs)["guarded_small_decode answers short_behind"]
+
+
+def test_the_over_logical_check_follows_the_cp_size(pd):
+    """At N = 2 the prefill refuses over_logical (decode must fail it); from N = 3 the ranks
+    hold it and decode must answer it like off_big."""
+    prompts = pd.prompts()
+    assert 2 * pd.POOL < len(prompts["over_logical"]) <= 3 * pd.POOL
+    assert len(prompts["over_logical"]) + pd.NEW_TOKENS <= pd.MODEL["max_position_embeddings"]
+    runs = _runs(pd)
+    runs["on"]["prompts"]["over_logical"] = runs["off_big"]["prompts"]["over_logical"]
+    four = pd.verdict(runs, cp_size=4)
+    assert four["on=off_big:over_logical"] and "on fails over_logical on decode at once" not in four
+    assert not pd.verdict(runs, cp_size=2)["on fails over_logical on decode at once"]  # it answered
+
+
+def test_the_small_decode_prompts_fit_the_prefill_but_not_the_decode(pd):
+    probe = pd.small_decode_prompts()
+    assert list(probe) == ["decode_over", "decode_window", "short_behind"]  # the order they are posted
+    assert pd.DECODE_POOL < len(probe["decode_over"]) <= 2 * pd.POOL <= pd.BIG_POOL
+    window = len(probe["decode_window"])
+    assert window < pd.DECODE_POOL < window + pd.RESERVED_DECODE  # under decode's pool, over its bound
+    assert pd.SMALL_DECODE_BOOTSTRAP_TIMEOUT_S < pd.HANG_PROBE_S
 
 
 SWAP_CHECK = """
