@@ -33,17 +33,25 @@ def test_prefetch_on_cuda_with_real_kernels(n):
     """Phase 8 with CUDA tensors: the layer-ahead MLA history gather runs asynchronously on
     its own group (gloo here: several ranks share the GPU) while the layer computes on the
     CUDA stream; the next layer waits for it. Bit-exact, also with a rank that issues its
-    gathers late, and the negative control still caught."""
+    gathers late, with a rank whose first layer's compute stream spins (``torch.cuda._sleep``)
+    after the next layer's gather started, and the negative control still caught."""
     jobs = [(name, dtype, "off", {"prefetch": True}) for dtype in ("bf16", "fp8_e4m3")
             for name in ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "aligned_chunked_prefill",
                          "corrupted_shard_is_detected")]
     jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
+    jobs += [("chunked_prefill", "fp8_e4m3", "off", {"prefetch": True, "slow_compute_rank": 0})]
     results = run_cp_group(n, jobs, device="cuda", timeout_s=540)
     failures = {k: v["errors"] for k, v in results.items()
                 if v["errors"] and not k.startswith("corrupted_shard_is_detected/")}
     assert not failures, failures
     assert all(v["stats"]["detected"] for k, v in results.items() if k.startswith("corrupted_shard_is_detected/"))
     assert all(v["stats"]["prefetch_group"] == {"distinct": True, "size": n} for v in results.values())
+    for key, outcome in results.items():  # the layer-ahead gathers on their own group, asynchronous
+        late = [rank == 1 and "slow_prefetch_rank=1" in key for rank in range(n)]
+        assert [set(g) for g in outcome["stats"]["all_gathers_per_rank"]] == [
+            {"compute/sync", "prefetch/sync" if late[r] else "prefetch/async"} for r in range(n)], key
+    slowed = results["chunked_prefill/fp8_e4m3/debug=off/prefetch=True/slow_compute_rank=0"]["stats"]
+    assert slowed["slow_compute"] == {"slowed": slowed["forwards"], "with_prefetch_in_flight": slowed["forwards"] - 1}
 
 
 def test_stage_timer_reads_cuda_events_inside_a_cp_group():

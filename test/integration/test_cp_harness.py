@@ -3,8 +3,9 @@
 One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_harness.py for what is
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
 the debug checks forward by forward; at N = 2, 3, 4 the chunked scenarios run again with
-the one-layer-ahead MLA history prefetch (phase 8), and with the plugin's host
-synchronisations counted.
+the one-layer-ahead MLA history prefetch (phase 8) -- every all-gather's group recorded,
+also with one rank issuing its prefetches late or computing a layer late, and with the
+NVTX switch off and on -- and with the plugin's host synchronisations counted.
 
 NOTE: N = 8 is eight processes on CI's two cores (it was 12 of CI's 38 minutes): there every
 scenario runs with the debug checks on only (they add checks, not a different path), and
@@ -25,6 +26,8 @@ PREFETCH_N = (2, 3, 4)
 PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "aligned_chunked_prefill",
                       "corrupted_shard_is_detected")
 SOAK_N = (2, 3, 4)
+# with prefetch, rank 0's first layer computing late while the next layer's gather is in flight
+SLOW_COMPUTE_JOBS = (("chunked_prefill", "bf16"), ("radix_prefix_hit", "fp8_e4m3"))
 # host synchronisations counted (at N in PREFETCH_N): bf16 without prefetch, fp8 with it
 HOST_SYNC_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "prefix_mid_page", "full_view_fallback",
                        "aligned_chunked_prefill")
@@ -45,6 +48,8 @@ def group(request):
     if request.param in PREFETCH_N:
         jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
         jobs += [("chunked_prefill", "bf16", "on", {"prefetch": True, "slow_prefetch_rank": 1})]
+        jobs += [(name, dtype, "off", {"prefetch": True, "slow_compute_rank": 0}) for name, dtype in SLOW_COMPUTE_JOBS]
+        jobs += [("aligned_chunked_prefill", "bf16", "off", {"prefetch": True, "nvtx": switch}) for switch in ("off", "on")]
         jobs += [("chunked_prefill", "fp8_e4m3", "off", {"prefetch": True, "stage_timer": True})]
         jobs += [("aligned_chunked_prefill", "bf16", "off", {"prefetch": True, "stage_timer": True})]
         jobs += [(name, "bf16", "off", {"host_syncs": True}) for name in HOST_SYNC_SCENARIOS]
@@ -148,7 +153,8 @@ def test_prefetch_bit_exact(group):
     n, results = group
     if n not in PREFETCH_N:
         pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
-    runs = {k: v for k, v in results.items() if "prefetch=True" in k and "host_syncs" not in k}
+    runs = {k: v for k, v in results.items()
+            if "prefetch=True" in k and not any(o in k for o in ("/host_syncs=", "/slow_compute_rank=", "/nvtx="))}
     assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 3
     for key, outcome in runs.items():
         if key.startswith("corrupted_shard_is_detected/"):
@@ -156,6 +162,65 @@ def test_prefetch_bit_exact(group):
             continue
         assert not outcome["errors"], (key, outcome["errors"])
         assert outcome["stats"]["prefetch_group"] == {"distinct": True, "size": n}, key
+
+
+def test_prefetch_gathers_go_over_their_own_communicator(group):
+    """Every rank's asynchronous all-gathers (the layer-ahead MLA history) go over the
+    prefetch group and never the compute group; every synchronous one (the other history
+    gathers, current regions, SGLang's in-seq gathers) over the compute group. With a rank
+    that issues its layer-ahead gathers late (synchronously, when the layer needs them),
+    those still go over the prefetch group."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
+    runs = {k: v for k, v in results.items() if "prefetch=True" in k}
+    assert len(runs) == len(DTYPES) * len(PREFETCH_SCENARIOS) + 3 + len(HOST_SYNC_SCENARIOS) + len(SLOW_COMPUTE_JOBS) + 2
+    for key, outcome in runs.items():
+        per_rank = outcome["stats"]["all_gathers_per_rank"]
+        assert len(per_rank) == n, key
+        for rank, gathers in enumerate(per_rank):
+            late = "slow_prefetch_rank=1" in key and rank == 1
+            want = {"compute/sync", "prefetch/sync" if late else "prefetch/async"}
+            assert set(gathers) == want, (key, rank, gathers)
+
+
+def test_prefetch_survives_a_slow_layer_compute(group):
+    """Rank 0 computes its first layer late -- after the hook started the next layer's MLA
+    history gather, which then completes before this layer reads its own view -- in every
+    forward: kernel inputs and attention stay bit-exact, so the prefetch wrote into the next
+    layer's own buffer and the next layer read it complete."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
+    runs = {k: v for k, v in results.items() if "slow_compute_rank=0" in k}
+    assert {tuple(k.split("/")[:2]) for k in runs} == set(SLOW_COMPUTE_JOBS)
+    for key, outcome in runs.items():
+        assert not outcome["errors"], (key, outcome["errors"])
+        stats = outcome["stats"]
+        slowed = stats["slow_compute"]
+        assert slowed["slowed"] == stats["forwards"], (key, slowed)
+        # each forward with a history prefetched its next layer before the slowed compute
+        # (the first forward of each request without a prefix has nothing to prefetch)
+        assert slowed["with_prefetch_in_flight"] == stats["forwards"] - 1 > 0, (key, slowed)
+
+
+def test_nvtx_off_pushes_no_range_in_a_whole_forward(group):
+    """NVTX off (the default): a whole forward path -- batch state, index and MLA views,
+    local writes, prefetch -- asks for its ranges and pushes none; the same run with NVTX on
+    pushes every stage's (the control: the count can see them), and stays bit-exact."""
+    n, results = group
+    if n not in PREFETCH_N:
+        pytest.skip(f"prefetch runs at N in {PREFETCH_N}")
+    off = results["aligned_chunked_prefill/bf16/debug=off/nvtx=off/prefetch=True"]
+    on = results["aligned_chunked_prefill/bf16/debug=off/nvtx=on/prefetch=True"]
+    for outcome in (off, on):
+        assert not outcome["errors"], outcome["errors"]
+    assert off["stats"]["nvtx"]["asked"] == on["stats"]["nvtx"]["asked"] > 0
+    assert off["stats"]["nvtx"]["pushed"] == {}
+    pushed = on["stats"]["nvtx"]["pushed"]
+    assert sum(pushed.values()) == on["stats"]["nvtx"]["asked"]  # every range asked for, pushed
+    assert {"batch_state", "owner_write", "materialize:index:view", "materialize:mla:current",
+            "prefetch:issue", "prefetch:wait"} <= set(pushed), pushed
 
 
 def test_stage_timer_times_every_stage_of_every_forward(group):

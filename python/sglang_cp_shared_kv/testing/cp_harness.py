@@ -63,9 +63,14 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
                  timeout_s: float = 1200.0) -> Dict[str, dict]:
     """Run ``jobs`` = [(scenario, dtype, debug[, options])] on ``n`` ranks, debug being "on",
     "off" or "alternate" (per forward), options {"prefetch": bool, "slow_prefetch_rank": r}
-    (that rank starts each prefetch late), {"stage_timer": bool} (NVTX on and every stage
+    (that rank starts each prefetch late), {"slow_compute_rank": r} (that rank's layer
+    SLOW_COMPUTE_LAYER computes late, its next layer's prefetch in flight; rank 0's stats
+    then say how often: ``slow_compute``), {"nvtx": "off" | "on"} (the NVTX switch so
+    for the job, the ranges asked for and the ranges pushed counted: ``nvtx``),
+    {"stage_timer": bool} (NVTX on and every stage
     timed; rank 0's stats then hold ``stage_times``), {"host_syncs": bool} (the plugin's host
-    synchronisations counted by forward phase: ``stats["host_syncs"]``); return, per
+    synchronisations counted by forward phase: ``stats["host_syncs"]``); with prefetch, every
+    all-gather is counted by group and sync/async (``stats["all_gathers_per_rank"]``); return, per
     ``scenario/dtype/debug[/options]`` key, the merged outcome of all ranks."""
     import torch.multiprocessing as mp
 
@@ -79,6 +84,8 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
         for key, outcome in result["scenarios"].items():
             entry = merged.setdefault(key, {"errors": [], "stats": outcome["stats"]})
             entry["errors"] += [f"rank {r}: {e}" for e in outcome["errors"]]
+            if "all_gathers" in outcome["stats"]:  # each rank's own, not only rank 0's
+                entry["stats"].setdefault("all_gathers_per_rank", []).append(outcome["stats"]["all_gathers"])
             if outcome["stats"]["allocation"] != entry["stats"]["allocation"]:  # decisions must agree
                 entry["errors"].append(f"rank {r}: allocator decisions {outcome['stats']['allocation']} differ "
                                        f"from rank 0's {entry['stats']['allocation']}")
@@ -99,8 +106,11 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
                     "distinct": prefetch_group is not group.device_group,
                     "size": torch.distributed.get_world_size(prefetch_group)}
             with _slow_prefetch(options.get("slow_prefetch_rank") == rank), \
+                    _slow_compute(rig, options.get("slow_compute_rank") == rank), \
                     _stage_timed(rig, rank, options.get("stage_timer", False)), \
-                    _host_syncs_counted(rig, options.get("host_syncs", False)):
+                    _host_syncs_counted(rig, options.get("host_syncs", False)), \
+                    _all_gathers_recorded(rig, group.device_group, prefetch_group), \
+                    _nvtx_ranges_counted(rig, options.get("nvtx")):
                 SCENARIOS[name](rig)
             rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
             key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
@@ -139,6 +149,66 @@ def _stage_timed(rig: Rig, rank: int, on: bool):
             torch.cuda.synchronize()
         timer.collect()
         rig.stats["stage_times"] = timer.snapshot()
+
+
+@contextlib.contextmanager
+def _all_gathers_recorded(rig: Rig, compute_group, prefetch_group):
+    """With a prefetch group: every ``torch.distributed.all_gather_into_tensor`` of the job
+    (the plugin's history and current gathers, SGLang's in-seq gathers) counted by the group
+    it goes over and whether it is asynchronous, into ``rig.stats["all_gathers"]``
+    (``"compute/sync"``, ``"prefetch/async"``, ...)."""
+    if prefetch_group is None:
+        yield
+        return
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    real = torch.distributed.all_gather_into_tensor
+    counts = rig.stats.setdefault("all_gathers", {})
+
+    def recorded(output, input, group=None, async_op=False):
+        where = "compute" if group is compute_group else "prefetch" if group is prefetch_group else "other"
+        key = f"{where}/{'async' if async_op else 'sync'}"
+        counts[key] = counts.get(key, 0) + 1
+        return real(output, input, group=group, async_op=async_op)
+
+    with attributes_set(torch.distributed, all_gather_into_tensor=recorded):
+        yield
+
+
+@contextlib.contextmanager
+def _nvtx_ranges_counted(rig: Rig, switch):
+    """With ``switch`` "off" or "on": the NVTX switch set so for the job, and
+    ``rig.stats["nvtx"]``: ``asked`` (calls of :func:`..nvtx.marked`, each reading the
+    switch once) and ``pushed`` (ranges opened, by name; on a CPU the push itself is then
+    skipped, there being no GPU to mark)."""
+    if switch is None:
+        yield
+        return
+    from sglang_cp_shared_kv import nvtx
+    from sglang_cp_shared_kv.config import NVTX_ENV
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    counts = rig.stats.setdefault("nvtx", {"asked": 0, "pushed": {}})
+    real_enabled, real_pushed = nvtx.nvtx_enabled, nvtx._pushed
+
+    def enabled():
+        counts["asked"] += 1
+        return real_enabled()
+
+    def pushed(name):
+        counts["pushed"][name] = counts["pushed"].get(name, 0) + 1
+        return real_pushed(name)
+
+    saved = os.environ.pop(NVTX_ENV, None)
+    if switch == "on":
+        os.environ[NVTX_ENV] = "1"
+    try:
+        with attributes_set(nvtx, nvtx_enabled=enabled, _pushed=pushed):
+            yield
+    finally:
+        os.environ.pop(NVTX_ENV, None)
+        if saved is not None:
+            os.environ[NVTX_ENV] = saved
 
 
 @contextlib.contextmanager
@@ -188,6 +258,55 @@ def _slow_prefetch(slow: bool):
         return IssuedOnWait(args, kwargs) if async_op else real(*args, **kwargs)
 
     with attributes_set(prefetch, gather_mla_history=late):
+        yield
+
+
+#: NOTE: the rig has two layers; the first is the one whose compute can overlap a prefetch
+#: (the last layer starts none)
+SLOW_COMPUTE_LAYER = 0
+#: NOTE: how long the slowed layer's compute is held up: long against a gloo all-gather of
+#: the rig's few pages (milliseconds); on CUDA, GPU clock cycles spun on the compute stream
+#: (about 0.1 s at an H200's 1.98 GHz)
+SLOW_COMPUTE_S = 0.2
+SLOW_COMPUTE_CYCLES = 200_000_000
+
+
+@contextlib.contextmanager
+def _slow_compute(rig: Rig, slow: bool):
+    """On this rank, layer SLOW_COMPUTE_LAYER's stock ``forward_extend`` starts late (a host
+    sleep on CPU; on CUDA ``torch.cuda._sleep`` on the compute stream), after the hook
+    started the next layer's history prefetch: that gather completes while this layer has yet
+    to read its own view, so a prefetch that wrote into a buffer this layer still reads, or a
+    next layer that read its view before the gather was complete, would break bit-exactness.
+    ``rig.stats["slow_compute"]``: layers slowed, and how many of them with the next layer's
+    prefetch in flight (issued since the last slowed layer)."""
+    if not slow:
+        yield
+        return
+    from sglang_cp_shared_kv.forward import prefetch
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    counts = rig.stats.setdefault("slow_compute", {"slowed": 0, "with_prefetch_in_flight": 0})
+    issued = {"layer": None}  # the layer whose history was last prefetched, until a slowed layer saw it
+    real_gather, real_forward_extend = prefetch.gather_mla_history, rig.shared_forward_extend
+
+    def gather(state, pool, layer_id, group, *, async_op=False):
+        if async_op:
+            issued["layer"] = layer_id
+        return real_gather(state, pool, layer_id, group, async_op=async_op)
+
+    def slowed(backend, q, k, v, layer, forward_batch, **kwargs):
+        if layer.layer_id == SLOW_COMPUTE_LAYER:
+            counts["slowed"] += 1
+            counts["with_prefetch_in_flight"] += issued["layer"] == layer.layer_id + 1
+            issued["layer"] = None
+            if q.is_cuda:
+                torch.cuda._sleep(SLOW_COMPUTE_CYCLES)
+            else:
+                time.sleep(SLOW_COMPUTE_S)
+        return real_forward_extend(backend, q, k, v, layer, forward_batch, **kwargs)
+
+    with attributes_set(prefetch, gather_mla_history=gather), attributes_set(rig, shared_forward_extend=slowed):
         yield
 
 

@@ -115,6 +115,8 @@ class Rig:
         self.forward_counter = 0
         #: a :class:`..host_syncs.HostSyncCounter` told where each forward is (None: not counted)
         self.host_syncs = None
+        #: the stock ``forward_extend`` the shared pool's hook wraps (the harness may slow it down)
+        self.shared_forward_extend = stock_forward_extend_inputs
 
     @staticmethod
     def _count_writes(kernels, counts: dict) -> None:
@@ -340,7 +342,7 @@ class Rig:
             if not save:  # the chunk was stored earlier by another writer: full-view read
                 self.shared.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
                 self.replicated.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
-            got = forward_extend_on_dense_view(stock_forward_extend_inputs, be_s, q, k_nope_s, k_nope_s, layer,
+            got = forward_extend_on_dense_view(self.shared_forward_extend, be_s, q, k_nope_s, k_nope_s, layer,
                                                fb_s, save_kv_cache=save, k_rope=k_rope_s, topk_indices=topk_s,
                                                fp8=self.fp8)
             want = stock_forward_extend_inputs(be_r, q, k_nope, k_nope, layer, fb_r, save_kv_cache=save,
