@@ -30,6 +30,21 @@ rows, as the synchronous path does. A full-view layer stores no chunk rows into 
 (they come from the shards), so when the prefix ends mid-page it drops the prefetched
 history (after waiting for it: the gather must complete on every rank) and gathers the
 history again after its chunk rows reached the shards.
+
+Nor can a history page be freed and reused under it (SGLang 0.5.12.post1):
+
+* a radix-cache prefix is locked for the request's lifetime: the scheduler admits a request
+  with ``PrefillAdder._req_inc_lock_ref`` -> ``RadixCache.inc_lock_ref`` (``lock_ref`` + 1 on
+  its last node and every ancestor), ``RadixCache.cache_unfinished_req`` moves the lock to
+  the new last node after each chunk (dec then inc, the chunk's pages now in the tree), and
+  only ``cache_finished_req``'s ``dec_lock_ref`` releases it; ``RadixCache.evict`` frees only
+  ``evictable_leaves``, which ``_update_leaf_status`` keeps to nodes with ``lock_ref == 0``;
+* with the overlap scheduler (``Scheduler.event_loop_overlap``) the next batch is prepared
+  on the host -- its pages allocated, perhaps pages a finished request freed -- while this
+  forward runs on the GPU, but ``Scheduler.run_batch`` issues every forward on the one
+  ``forward_stream``, so the next batch's writes run after this forward's kernels; and no
+  prefetch outlives its forward (layer L+1 makes the compute stream wait for it, the last
+  layer starts none), so none is in flight when they run.
 """
 
 from __future__ import annotations
