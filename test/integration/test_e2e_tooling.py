@@ -84,3 +84,33 @@ def test_e2e_verdict_demands_bit_equality_with_the_stable_topk():
     assert all(loose.values()) and "far_within_spread" in loose
     # one GPU, no CP: only the flag-off repeat
     assert e2e.verdict({"spread": same}, True, True) == {"repeat_bit_identical": True}
+
+
+def test_an_installed_mooncake_engine_that_does_not_import_fails_instead_of_skipping(monkeypatch):
+    """The Mooncake tests skip only where no engine is installed: one that is installed but
+    broken (a missing libibverbs, say) must fail them, or CI would pass without running them."""
+    import importlib
+    import importlib.metadata
+
+    import pytest
+
+    from sglang_cp_shared_kv.testing import support
+
+    real_import = importlib.import_module
+
+    def broken(name, *args, **kwargs):
+        if name == "mooncake.engine":
+            raise ImportError("libibverbs.so.1: cannot open shared object file")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.3.14")
+    monkeypatch.setattr(importlib, "import_module", broken)
+    with pytest.raises(pytest.fail.Exception, match="installed but mooncake.engine does not import"):
+        support.mooncake_engine_or_skip()
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(pytest.skip.Exception, match="needs one of mooncake-transfer-engine-non-cuda"):
+        support.mooncake_engine_or_skip()

@@ -10,8 +10,9 @@ import pytest
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
+from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
 
-pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+mooncake_engine_or_skip()
 
 CLI = [sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"]
 

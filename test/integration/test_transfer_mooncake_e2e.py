@@ -34,7 +34,9 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-mooncake_engine = pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda")
+from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
+
+mooncake_engine = mooncake_engine_or_skip()
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE  # noqa: E402

@@ -47,6 +47,36 @@ def decode_guard_kwargs(model_path, **overrides):
     return kwargs
 
 
+#: The Mooncake engine distributions (the CPU build the tests use, the CUDA 13 build serving uses).
+MOONCAKE_DISTRIBUTIONS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine-cuda13")
+
+
+def mooncake_engine_or_skip():
+    """``mooncake.engine`` for the tests that drive the real engine. Skips the calling module
+    only when no Mooncake distribution is installed; an installed engine that does not
+    import (a missing system library, a CUDA build beside a CPU torch) fails instead of
+    skipping, so CI (``scripts/bootstrap.sh test`` installs the engine) cannot pass without
+    running these tests."""
+    import importlib.metadata
+
+    import pytest
+
+    installed = []
+    for name in MOONCAKE_DISTRIBUTIONS:
+        try:
+            installed.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if not installed:
+        pytest.skip(f"needs one of {', '.join(MOONCAKE_DISTRIBUTIONS)} (scripts/bootstrap.sh test installs it)",
+                    allow_module_level=True)
+    try:
+        return importlib.import_module("mooncake.engine")
+    except ImportError as exc:
+        pytest.fail(f"{', '.join(installed)} is installed but mooncake.engine does not import: {exc} "
+                    "(the CPU engine links libibverbs1: scripts/bootstrap.sh test installs it)", pytrace=False)
+
+
 #: The repository's ``scripts/`` (tests load benchmark scripts from it as modules).
 SCRIPTS = Path(__file__).resolve().parents[3] / "scripts"
 
