@@ -192,6 +192,24 @@ MODEL_LAYERS = {"glm-5": NsaModelShape.load("glm-5").num_layers,
                 "deepseek-v3.2": NsaModelShape.load("deepseek-v3.2").num_layers}
 
 
+def _warm_up_device(device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` before the first timed row.
+
+    NOTE: the one-H200 smoke run (2026-12-02) timed its first row (8K) slower than the 32K row
+    after the same per-path warm-up; a GPU still at idle clocks is the likely cause (not
+    verified), and every row must start from the same state."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        torch.cuda.synchronize(device)
+
+
 def _timed(fn, device) -> float:
     """Seconds of one call of ``fn`` on this rank, after every rank has reached it."""
     import torch
@@ -406,6 +424,7 @@ def _collective_worker(rank, nprocs, port, backend, histories, chunks, reps, out
                             device_id=device if device.type == "cuda" else None)
     group, kernels = dist.group.WORLD, KernelDispatch()
     layout = CpSharedKVLayout(PAGE, nprocs, rank)
+    _warm_up_device(device)
     rows, overlap_rows = [], []
     for kind, row_bytes in COLLECTIVE_KINDS.items():
         for history in histories:
