@@ -4,7 +4,7 @@ import pytest
 
 from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.server_args import CpSharedKVConfigError, configuration_problems
-from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
+from sglang_cp_shared_kv.testing.support import decode_guard_kwargs, shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 
@@ -49,7 +49,9 @@ REFUSALS = {
 }
 
 
-def _build(model, kwargs, post, env, monkeypatch):
+def _build(model, kwargs, post, env, monkeypatch, server_kwargs=shared_kv_kwargs):
+    """A ``ServerArgs`` of ``server_kwargs(model, **kwargs)`` (a shared-KV prefill by default)
+    under ``env``, with ``post`` set after construction."""
     from sglang.srt.server_args import ServerArgs
 
     for name, value in env.items():
@@ -57,7 +59,7 @@ def _build(model, kwargs, post, env, monkeypatch):
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    server_args = ServerArgs(**shared_kv_kwargs(model, **kwargs))
+    server_args = ServerArgs(**server_kwargs(model, **kwargs))
     for name, value in post.items():
         setattr(server_args, name, value)
     return server_args
@@ -191,19 +193,7 @@ DECODE_REFUSALS = {
 
 
 def _decode(model, kwargs, post, env, monkeypatch):
-    from sglang.srt.server_args import ServerArgs
-
-    from sglang_cp_shared_kv.testing.support import decode_guard_kwargs
-
-    for name, value in env.items():
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    server_args = ServerArgs(**decode_guard_kwargs(model, **kwargs))
-    for name, value in post.items():
-        setattr(server_args, name, value)
-    return server_args
+    return _build(model, kwargs, post, env, monkeypatch, server_kwargs=decode_guard_kwargs)
 
 
 @pytest.mark.parametrize("case", sorted(DECODE_REFUSALS))
