@@ -20,18 +20,19 @@ logger = logging.getLogger(__name__)
 def admission_of(queue) -> DecodeAdmission:
     """The admission bound of a ``DecodePreallocQueue`` (its own figures, read now)."""
     return DecodeAdmission(pool_tokens=int(queue.max_total_num_tokens),
-                           reserved_decode_tokens=int(queue.num_reserved_decode_tokens),
-                           clip_max_new_tokens=int(sg.decode.CLIP_MAX_NEW_TOKEN))
+                           reserved_decode_tokens=int(queue.num_reserved_decode_tokens))
 
 
 def refuse_what_decode_can_never_hold(original, queue, req, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._check_if_req_exceed_kv_capacity`` (True: the request
-    was refused and answered). SGLang's own check first; then, flag on, :class:`DecodeAdmission`'s bound."""
+    was refused and answered). SGLang's own check first; then, flag on, :class:`DecodeAdmission`'s
+    bound, for a request SGLang has not ended already (an input-length or session error reaches
+    the queue aborted, and its own message stands)."""
     if original(queue, req, *args, **kwargs):
         return True
-    if not guards_decode(queue.scheduler.server_args):
+    if not guards_decode(queue.scheduler.server_args) or req.finished_reason is not None:
         return False
-    problem = admission_of(queue).refusal(len(req.origin_input_ids), req.sampling_params.max_new_tokens)
+    problem = admission_of(queue).refusal(len(req.origin_input_ids))
     if problem is None:
         return False
     message = f"Request {req.rid}: {problem}"
@@ -48,12 +49,12 @@ def check_decode_server(result, queue, *args, **kwargs):
     server_args = queue.scheduler.server_args
     if guards_decode(server_args):
         hook_check.require_hooks_applied("decode scheduler process")
-        validate(server_args)
+        model_config = getattr(queue.scheduler, "model_config", None)  # the scheduler's: no second one built
+        validate(server_args, hf_config=getattr(model_config, "hf_config", None))
         bound = admission_of(queue)
-        logger.info("%s (decode): a request whose prompt + max(%d reserved, min(max_new_tokens, %d)) exceeds "
-                    "this pool's %d tokens is refused at once (HTTP 400); --context-length <= %d keeps every "
-                    "request within it.", FLAG, bound.reserved_decode_tokens, bound.clip_max_new_tokens,
-                    bound.pool_tokens, bound.longest_context())
+        logger.info("%s (decode): a request whose prompt + %d reserved decode tokens exceeds this pool's %d "
+                    "tokens is refused at once (HTTP 400); --context-length <= %d keeps every request within it.",
+                    FLAG, bound.reserved_decode_tokens, bound.pool_tokens, bound.longest_context())
     return result
 
 

@@ -191,8 +191,8 @@ def format_plan(plan: CapacityPlan) -> str:
             f"PD send, replicated        {_gib(req.pd_bytes_replicated)} from one sender "
             f"(decode holds the same per GPU for this request)",
             f"decode pool                >= {req.decode_pool_tokens:,} tokens per decode GPU for --context-length "
-            f"{req.context_len:,} (the prompt + {DEFAULT_RESERVED_DECODE_TOKENS} reserved decode tokens; a "
-            "smaller decode refuses the longest requests, at once with the flag on decode)",
+            f"{req.context_len:,} (its longest prompt + {DEFAULT_RESERVED_DECODE_TOKENS} reserved decode tokens, "
+            "in whole pages; a smaller decode refuses the longest requests, at once with the flag on decode)",
         ]
         for send in req.pd_send_per_rank:
             lines.append(

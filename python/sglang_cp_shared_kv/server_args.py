@@ -146,19 +146,19 @@ def nsa_backends_for_in_seq_split(original, self, kv_cache_dtype, *args, **kwarg
 
 def validate_after_stock_checks(result, server_args, *args, **kwargs):
     """AFTER ``ServerArgs.check_server_args`` (main process)."""
+    if not is_enabled(server_args):
+        return result
+    hook_check.require_hooks_applied("main process")
+    validate(server_args)
     if guards_decode(server_args):
-        hook_check.require_hooks_applied("main process")
-        validate(server_args)
         logger.info("%s: decode server of a shared-KV deployment: it refuses at once a request it can "
                     "never hold (docs/deploy.md, 'Sizing decode').", FLAG)
-    elif is_enabled(server_args):
-        hook_check.require_hooks_applied("main process")
-        validate(server_args)
-        if server_args.disaggregation_mode == "null":
-            logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
-                           "(max_new_tokens=1); any decode step will fail. Never use it in production.",
-                           FLAG, TESTING_ALLOW_NON_PD_ENV)
-        logger.info("%s: configuration accepted (attention CP size %d).", FLAG, server_args.attn_cp_size)
+        return result
+    if server_args.disaggregation_mode == "null":
+        logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
+                       "(max_new_tokens=1); any decode step will fail. Never use it in production.",
+                       FLAG, TESTING_ALLOW_NON_PD_ENV)
+    logger.info("%s: configuration accepted (attention CP size %d).", FLAG, server_args.attn_cp_size)
     return result
 
 

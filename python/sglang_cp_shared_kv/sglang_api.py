@@ -52,7 +52,6 @@ SYMBOLS: Dict[str, Tuple[str, str | None]] = {
     "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
     "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
     # --- the decode server (its admission queue)
-    "decode": ("sglang.srt.disaggregation.decode", None),
     "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
     # --- the plugin framework
     "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),

@@ -20,14 +20,18 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.decode_admission import DecodeAdmission
+from sglang_cp_shared_kv.decode_admission import (
+    DEFAULT_RESERVED_DECODE_TOKENS,
+    DecodeAdmission,
+    decode_pool_tokens_for_context,
+)
 from sglang_cp_shared_kv.decode_server import admission_of
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
 
 PAGE = 64
 POOL_PAGES = 32  # NOTE: a 2,048-token pool: small, and a multiple of the page like SGLang's
-RESERVED = 512  # SGLang's --num-reserved-decode-tokens default
+RESERVED = DEFAULT_RESERVED_DECODE_TOKENS
 
 
 def _pool_allocator():
@@ -42,11 +46,17 @@ def _pool_allocator():
     return PagedTokenToKVPoolAllocator(tokens, PAGE, torch.bfloat16, "cpu", pool, need_sort=False)
 
 
-def _req(rid: str, prompt_tokens: int, max_new_tokens: int):
+def _req(rid: str, prompt_tokens: int, max_new_tokens: int = 8):
+    """A request as decode's queue receives it: max_new_tokens as SGLang's scheduler leaves it.
+
+    NOTE: ``Scheduler.init_req_max_new_tokens`` caps it at pool - ceil_page(P) - page - 1
+    before the queue sees the request; its module does not import on a CPU (sgl_kernel), so
+    the cap is applied here, the one expression of it that matters."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
-    return Req(rid, "", list(range(2, 2 + prompt_tokens)), SamplingParams(max_new_tokens=max_new_tokens))
+    capped = min(max_new_tokens, POOL_PAGES * PAGE - -(-prompt_tokens // PAGE) * PAGE - PAGE - 1)
+    return Req(rid, "", list(range(2, 2 + prompt_tokens)), SamplingParams(max_new_tokens=max(0, capped)))
 
 
 class _Admitted(Exception):
@@ -110,32 +120,28 @@ def _admitted_now(queue):
     return None
 
 
-def _bound(queue) -> DecodeAdmission:
-    return admission_of(queue)
-
-
+@pytest.mark.parametrize("new_tokens", [8, 1500], ids=["few-new-tokens", "many-new-tokens"])
 @pytest.mark.parametrize("running", [(), ((700, 64),)], ids=["idle", "busy"])
-@pytest.mark.parametrize("new_tokens", [8, 1500], ids=["reserve-bound", "max-new-bound"])
 def test_stock_decode_never_takes_a_request_over_the_bound_and_blocks_the_queue(running, new_tokens):
     queue, answered = _queue(flag_on=False, running=running)
-    bound = _bound(queue)
-    headroom = max(RESERVED, new_tokens)
-    prompt = bound.pool_tokens - headroom + 1  # one token over the bound; shorter than the pool
-    assert prompt < queue.max_total_num_tokens and bound.refusal(prompt, new_tokens) is not None
+    bound = admission_of(queue)
+    prompt = bound.pool_tokens - RESERVED + 1  # one token over the bound; shorter than the pool
+    assert prompt < queue.max_total_num_tokens and bound.refusal(prompt) is not None
     assert not _enqueue(queue, _req("over", prompt, new_tokens))  # stock: not refused
-    assert not _enqueue(queue, _req("short-behind-it", 64, 8))
+    assert not _enqueue(queue, _req("short-behind-it", 64))
     for _ in range(3):  # every scheduler pass alike: nobody is taken, nothing answered
         assert _admitted_now(queue) is None
     assert [d.req.rid for d in queue.queue] == ["over", "short-behind-it"] and answered == []
 
 
-@pytest.mark.parametrize("new_tokens", [8, 1500], ids=["reserve-bound", "max-new-bound"])
+@pytest.mark.parametrize("new_tokens", [8, 1500], ids=["few-new-tokens", "many-new-tokens"])
 def test_stock_decode_takes_a_request_at_the_bound_once_idle(new_tokens):
-    """The bound is exact: a prompt one token shorter is taken by an idle decode."""
+    """The bound is exact: a prompt one token shorter is taken by an idle decode, whatever
+    max_new_tokens the client asked for (the scheduler has capped it to the pool)."""
     queue, _ = _queue(flag_on=False)
-    bound = _bound(queue)
-    prompt = bound.pool_tokens - max(RESERVED, new_tokens)
-    assert bound.refusal(prompt, new_tokens) is None
+    bound = admission_of(queue)
+    prompt = bound.pool_tokens - RESERVED
+    assert bound.refusal(prompt) is None
     assert not _enqueue(queue, _req("at-bound", prompt, new_tokens))
     assert _admitted_now(queue) == "at-bound"
 
@@ -144,38 +150,50 @@ def test_with_the_flag_decode_refuses_it_at_once_and_the_queue_moves_on():
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     queue, answered = _queue(flag_on=True)
-    bound = _bound(queue)
-    over = _req("over", bound.pool_tokens - RESERVED + 1, 8)
+    bound = admission_of(queue)
+    over = _req("over", bound.pool_tokens - RESERVED + 1)
     assert _enqueue(queue, over)  # refused before it waits
     assert answered == [over] and isinstance(over.finished_reason, FINISH_ABORT)
     reason = over.finished_reason.to_json()
     assert reason["status_code"] == 400
     assert FLAG in reason["message"] and f"need {bound.pool_tokens + 1} KV tokens" in reason["message"]
+    assert f"a pool of at least {bound.pool_tokens + PAGE} tokens" in reason["message"]  # whole pages
     assert f"--context-length of at most {bound.longest_context()}" in reason["message"]
-    assert not _enqueue(queue, _req("short-behind-it", 64, 8))
+    assert not _enqueue(queue, _req("short-behind-it", 64))
     assert _admitted_now(queue) == "short-behind-it"
 
 
-def test_with_the_flag_a_request_at_the_bound_and_sglangs_own_refusal_are_unchanged():
+def test_with_the_flag_a_request_at_the_bound_and_sglangs_own_refusals_are_unchanged():
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
     queue, answered = _queue(flag_on=True)
-    bound = _bound(queue)
-    assert not _enqueue(queue, _req("at-bound", bound.pool_tokens - RESERVED, 8))
+    bound = admission_of(queue)
+    assert not _enqueue(queue, _req("at-bound", bound.pool_tokens - RESERVED))
     assert answered == []
-    longer_than_pool = _req("longer-than-pool", bound.pool_tokens + 1, 8)
+    longer_than_pool = _req("longer-than-pool", bound.pool_tokens + 1)
     assert _enqueue(queue, longer_than_pool)  # SGLang's own message, not ours
     assert "exceeds the maximum number of tokens" in longer_than_pool.finished_reason.to_json()["message"]
+    # a request SGLang ended before the queue (input too long for its limit, a session error)
+    # keeps SGLang's message: the queue streams it out itself
+    ended = _req("ended-by-sglang", bound.pool_tokens - RESERVED + 1)
+    ended.finished_reason = FINISH_ABORT("Input length exceeds the maximum allowed length", 400)
+    assert not _enqueue(queue, ended)
+    assert ended.finished_reason.to_json()["message"] == "Input length exceeds the maximum allowed length"
 
 
 def test_a_context_length_within_the_bound_keeps_every_request_admissible():
     """What deploy.md tells a user: with --context-length C <= longest_context() on both
-    servers, SGLang's tokenizer keeps prompt + max_new_tokens < C, and no request is over."""
-    bound = DecodeAdmission(pool_tokens=POOL_PAGES * PAGE, reserved_decode_tokens=RESERVED, clip_max_new_tokens=4096)
+    servers, SGLang's tokenizer keeps every prompt below C, and no request is over; the
+    planner's decode pool for C (whole pages) is the smallest pool that does that."""
+    bound = DecodeAdmission(pool_tokens=POOL_PAGES * PAGE, reserved_decode_tokens=RESERVED)
     context = bound.longest_context()
-    for prompt in range(1, context):
-        for new in (1, context - prompt - 1):
-            if new >= 1:
-                assert bound.refusal(prompt, new) is None, (prompt, new)
-    assert bound.refusal(context, 1) is not None  # one more token than such a prompt can have
+    assert all(bound.refusal(prompt) is None for prompt in range(1, context))
+    assert bound.refusal(context) is not None  # one more token than such a prompt can have
+    for context in (context, 202_752, 163_840, 1000):
+        pool = decode_pool_tokens_for_context(context)
+        assert pool % PAGE == 0
+        assert DecodeAdmission(pool, RESERVED).longest_context() >= context
+        assert DecodeAdmission(pool - PAGE, RESERVED).longest_context() < context
 
 
 def test_each_decode_scheduler_checks_its_own_configuration_at_startup(tiny_nsa_model, monkeypatch, caplog,

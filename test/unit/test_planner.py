@@ -154,15 +154,17 @@ def test_module_entry_point_runs():
 
 def test_the_decode_pool_the_plan_names_holds_every_request_of_the_context_and_no_less_does():
     """The planner's "decode pool" line and decode's admission bound are one figure: a pool
-    of that many tokens admits the longest request of the context length, one token less
-    refuses it (decode_admission)."""
+    of that many tokens (whole pages, as SGLang rounds --max-total-tokens down to a page)
+    admits the longest prompt of the context length, one page less refuses it
+    (decode_admission)."""
     from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS, DecodeAdmission
+    from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 
     plan = plan_capacity(NsaModelShape.load("glm-5"), 8, "fp8_e4m3", kv_gb_per_rank=25, context_len=202_752)
     pool = plan.request.decode_pool_tokens
-    assert pool == 202_752 - 1 + DEFAULT_RESERVED_DECODE_TOKENS
-    for tokens, admits in ((pool, True), (pool - 1, False)):
-        bound = DecodeAdmission(tokens, DEFAULT_RESERVED_DECODE_TOKENS, clip_max_new_tokens=4096)
+    assert pool % PAGE_SIZE == 0 and pool - PAGE_SIZE < 202_752 - 1 + DEFAULT_RESERVED_DECODE_TOKENS <= pool
+    for tokens, admits in ((pool, True), (pool - PAGE_SIZE, False)):
+        bound = DecodeAdmission(tokens, DEFAULT_RESERVED_DECODE_TOKENS)
         assert (bound.longest_context() >= 202_752) == admits
-        assert (bound.refusal(202_751, 1) is None) == admits  # the longest prompt the context allows
+        assert (bound.refusal(202_751) is None) == admits  # the longest prompt the context allows
     assert f"decode pool                >= {pool:,} tokens" in format_plan(plan)
