@@ -74,6 +74,7 @@ import urllib.error
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
@@ -93,8 +94,8 @@ CHUNK = 2048  # --chunked-prefill-size
 POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
 BIG_POOL = 32768
 DECODE_POOL = 8192  # --max-total-tokens of decode in the small-decode runs
-RESERVED_DECODE = 512  # SGLang's --num-reserved-decode-tokens default
 NEW_TOKENS = 8
+SHORT_TOKENS = 1500
 MODEL = {**TINY_DSV32, "max_position_embeddings": 32768}
 #: NOTE: longer than the small-decode runs' bootstrap timeout (20 s): by then the prefill has
 #: given up on the request, so a decode that still holds it holds it for good
@@ -102,6 +103,8 @@ HANG_PROBE_S = 45
 SMALL_DECODE_BOOTSTRAP_TIMEOUT_S = 20
 #: a refusal "at once": well under every timeout of these runs
 AT_ONCE_S = 10
+#: how decode's error names a shared-KV prefill's failure cause (transfer/decode.py)
+CAUSE_PREFIX = "cause: prefill CP rank"
 
 
 class Run(NamedTuple):
@@ -136,15 +139,17 @@ EXACT = (("off_b", "off", ("short", "chunked", "radix_hit")),
 SMALL_DECODE_RUNS = ("guarded_small_decode", "on_small_decode")
 
 
-def prompts():
+def tokens(seed, n):
+    """A prompt of ``n`` random token ids, the same for a seed in every run."""
     import numpy as np
 
-    def tokens(seed, n):
-        return np.random.default_rng(seed).integers(2, MODEL["vocab_size"], size=n).tolist()
+    return np.random.default_rng(seed).integers(2, MODEL["vocab_size"], size=n).tolist()
 
+
+def prompts():
     chunked = tokens(2, 4 * CHUNK - 500)
     return {
-        "short": tokens(1, 1500),
+        "short": tokens(1, SHORT_TOKENS),
         "chunked": chunked,
         "radix_hit": chunked[:2 * CHUNK] + tokens(3, 1000),
         "over_pool": tokens(4, POOL * 3 // 2),
@@ -153,14 +158,12 @@ def prompts():
 
 
 def small_decode_prompts():
-    """The small-decode probe's prompts, in the order they are posted (module docstring)."""
-    import numpy as np
-
+    """The small-decode probe's prompts, in the order they are posted (module docstring);
+    short_behind is ``prompts()``'s short prompt."""
     return {
-        "decode_over": np.random.default_rng(6).integers(2, MODEL["vocab_size"], size=DECODE_POOL * 3 // 2).tolist(),
-        "decode_window": np.random.default_rng(7).integers(
-            2, MODEL["vocab_size"], size=DECODE_POOL - RESERVED_DECODE // 2).tolist(),
-        "short_behind": prompts()["short"],
+        "decode_over": tokens(6, DECODE_POOL * 3 // 2),
+        "decode_window": tokens(7, DECODE_POOL - DEFAULT_RESERVED_DECODE_TOKENS // 2),
+        "short_behind": tokens(1, SHORT_TOKENS),
     }
 
 
@@ -291,7 +294,7 @@ def verdict(runs, cp_size=2):
     if "on" in runs and cp_size * POOL < POOL * 5 // 2:
         # its prefill refuses the prompt: decode must fail it, with the cause, at once
         checks["on fails over_logical on decode at once"] = refused_at_once(
-            runs["on"]["prompts"]["over_logical"]["decode"], naming="cause")
+            runs["on"]["prompts"]["over_logical"]["decode"], naming=CAUSE_PREFIX)
     elif "on" in runs and "off_big" in runs:  # N >= 3 ranks hold it
         checks["on=off_big:over_logical"] = same_answer(runs["on"]["prompts"]["over_logical"]["decode"],
                                                         runs["off_big"]["prompts"]["over_logical"]["decode"])

@@ -34,7 +34,7 @@ def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, f
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)  # with the plugin's hooks applied: it adds the flag
     ports = {"prefill": 1, "decode": 2, "bootstrap": 3}
-    prefill, decode = pd.server_commands(_args(cp_size, dtype), pd.Run(flag_on, pd.POOL, decode_flag=flag_on), ports)
+    prefill, decode = pd.server_commands(_args(cp_size, dtype), pd.RUNS["on" if flag_on else "off"], ports)
     p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
     d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
     assert (p.disaggregation_mode, d.disaggregation_mode) == ("prefill", "decode")
@@ -145,7 +145,7 @@ def test_the_small_decode_prompts_fit_the_prefill_but_not_the_decode(pd):
     assert list(probe) == ["decode_over", "decode_window", "short_behind"]  # the order they are posted
     assert pd.DECODE_POOL < len(probe["decode_over"]) <= 2 * pd.POOL <= pd.BIG_POOL
     window = len(probe["decode_window"])
-    assert window < pd.DECODE_POOL < window + pd.RESERVED_DECODE  # under decode's pool, over its bound
+    assert window < pd.DECODE_POOL < window + pd.DEFAULT_RESERVED_DECODE_TOKENS  # under decode's pool, over its bound
     assert pd.SMALL_DECODE_BOOTSTRAP_TIMEOUT_S < pd.HANG_PROBE_S
 
 
