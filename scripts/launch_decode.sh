@@ -22,7 +22,7 @@
 #   --dry-run               print the command, do not run it
 #   -- ARGS...              passed to sglang.launch_server unchanged
 set -euo pipefail
-usage() { sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 source "$(dirname "$0")/launch_common.sh"
 
 model="" tp="" port=30001 mem_fraction=0.85 guarded=1
