@@ -12,10 +12,13 @@ RDMA device); NSA backends: bf16 ``flashmla_sparse`` on both servers; fp8 with C
 in-seq-split, docs/troubleshooting.md) and SGLang's default on decode (its
 ``flashmla_sparse`` decode reads the cache without dequantizing fp8).
 ``--cp-size 1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs only -- the
-script, the Mooncake CUDA 13 install and stock PD on one H200.
+script, the Mooncake CUDA 13 install and stock PD on one H200. ``--share-gpu``: every rank
+of both servers on GPU 0 (``sglang_cp_shared_kv.testing.shared_gpu``: correctness only,
+no time it records means anything), every pool fixed (decode's at BIG_POOL when the run
+names none); ``--parallel K`` runs K runs' server pairs at once, each on its own ports.
 
 Runs (one prefill + one decode server each, the same tiny random DeepSeek-V3.2 as
-``scripts/e2e_cp2_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``; "flag
+``scripts/e2e_cp_logprobs.py`` with 32K positions, ``--chunked-prefill-size 2048``; "flag
 on" is the deployment of docs/deploy.md: the flag on the prefill and on the decode server):
 
   off         flag off, prefill pool ``--max-total-tokens POOL`` (per rank)
@@ -26,6 +29,8 @@ on" is the deployment of docs/deploy.md: the flag on the prefill and on the deco
   off_small_decode      flag off, decode pool ``--max-total-tokens DECODE_POOL``
   guarded_small_decode  the same with the flag on the decode server only (it needs no CP)
   on_small_decode       flag on, decode pool DECODE_POOL                 [N >= 2]
+  on_abort    flag on, CP rank 1 holds its first Mooncake write STALL_S seconds; the chunked
+              prompt is aborted on the prefill once its last chunk has run     [N >= 2]
 
 Each of the first five posts every prompt to both servers with one bootstrap room:
 ``short`` (one chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first
@@ -50,6 +55,10 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
 * guarded_small_decode, on_small_decode: decode refuses decode_over and decode_window at
   once (decode_window naming the flag), and answers short_behind (equal to off's short
   where off ran);
+* on: every CP rank sent KV and index pages (Prometheus ``..._transfer_pages_total``);
+* on_abort: the request aborted mid-transfer (rank 1's write held, every chunk computed)
+  fails on decode within AT_ONCE_S of the abort, naming the prefill's abort (stock decode
+  would hold it until its waiting timeout);
 * over_pool in off (stock SGLang refuses the prompt on prefill) and off_small_decode are
   recorded, not judged: stock decode answers the former from KV that never arrived, and
   leaves decode_window and every request behind it waiting (docs/troubleshooting.md).
@@ -75,11 +84,13 @@ from pathlib import Path
 from typing import NamedTuple, Optional
 
 from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS
+from sglang_cp_shared_kv.testing import shared_gpu
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
     accumulate_runs,
     e2e_env,
+    flush_cache,
     post,
     prometheus_samples,
     stable_topk_problem,
@@ -91,11 +102,14 @@ from sglang_cp_shared_kv.testing.server import (
 )
 
 CHUNK = 2048  # --chunked-prefill-size
+RADIX_PREFIX = 2 * CHUNK  # what the radix-hit prompt shares with the chunked prompt, posted before it
 POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
 BIG_POOL = 32768
 DECODE_POOL = 8192  # --max-total-tokens of decode in the small-decode runs
 NEW_TOKENS = 8
-SHORT_TOKENS = 1500
+#: NOTE: every chunk of every prompt is a multiple of 2 x 8 tokens, so SGLang's in-seq split
+#: gives every CP rank as many rows up to CP8 (why: scripts/e2e_cp_logprobs.py, SPLIT_MULTIPLE)
+SHORT_TOKENS = 1504
 MODEL = {**TINY_DSV32, "max_position_embeddings": 32768}
 #: NOTE: longer than the small-decode runs' bootstrap timeout (20 s): by then the prefill has
 #: given up on the request, so a decode that still holds it holds it for good
@@ -105,6 +119,16 @@ SMALL_DECODE_BOOTSTRAP_TIMEOUT_S = 20
 AT_ONCE_S = 10
 #: how decode's error names a shared-KV prefill's failure cause (transfer/decode.py)
 CAUSE_PREFIX = "cause: prefill CP rank"
+#: how that cause names an abort on the prefill (transfer/hooks.py)
+ABORT_CAUSE = "the prefill aborted the request"
+#: NOTE: how long on_abort's CP rank 1 holds its first write: far longer than the abort takes
+#: to reach decode, so the request is still in flight when it is aborted
+STALL_S = 30
+#: a run's prefill HTTP port is --port + PORTS_PER_RUN x its place in RUNS; decode +1,
+#: bootstrap +2, the prefill's NCCL +3, decode's +4
+PORTS_PER_RUN = 10
+#: the plugin's count of pages each prefill CP rank sent (labels cp_rank, kind=kv|state)
+PAGES_SENT_METRIC = "sglang:cp_shared_kv_transfer_pages_total"
 
 
 class Run(NamedTuple):
@@ -113,6 +137,7 @@ class Run(NamedTuple):
     corrupt_rank: Optional[int] = None  # the CP rank whose sends scripts/e2e/sitecustomize.py corrupts
     decode_pool: Optional[int] = None  # decode's --max-total-tokens (None: what its memory fraction gives)
     decode_flag: bool = False
+    stall_rank: Optional[int] = None  # the CP rank whose first write scripts/e2e/sitecustomize.py holds
 
     @property
     def small_decode(self) -> bool:
@@ -125,6 +150,7 @@ RUNS = {
     "off_small_decode": Run(False, BIG_POOL, decode_pool=DECODE_POOL),
     "guarded_small_decode": Run(False, BIG_POOL, decode_pool=DECODE_POOL, decode_flag=True),
     "on_small_decode": Run(True, POOL, decode_pool=DECODE_POOL, decode_flag=True),
+    "on_abort": Run(True, POOL, decode_flag=True, stall_rank=1),
 }
 #: --cp-size 1: no CP, so no flag on the prefill (the decode server's flag needs none)
 RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small_decode"]
@@ -147,11 +173,11 @@ def tokens(seed, n):
 
 
 def prompts():
-    chunked = tokens(2, 4 * CHUNK - 500)
+    chunked = tokens(2, 4 * CHUNK - 496)
     return {
         "short": tokens(1, SHORT_TOKENS),
         "chunked": chunked,
-        "radix_hit": chunked[:2 * CHUNK] + tokens(3, 1000),
+        "radix_hit": chunked[:RADIX_PREFIX] + tokens(3, 1008),
         "over_pool": tokens(4, POOL * 3 // 2),
         "over_logical": tokens(5, POOL * 5 // 2),
     }
@@ -165,6 +191,12 @@ def small_decode_prompts():
         "decode_window": tokens(7, DECODE_POOL - DEFAULT_RESERVED_DECODE_TOKENS // 2),
         "short_behind": tokens(1, SHORT_TOKENS),
     }
+
+
+def run_ports(args, name):
+    port = args.port + PORTS_PER_RUN * list(RUNS).index(name)
+    return {"prefill": port, "decode": port + 1, "bootstrap": port + 2, "prefill_nccl": port + 3,
+            "decode_nccl": port + 4}
 
 
 def server_commands(args, run: Run, ports):
@@ -181,23 +213,36 @@ def server_commands(args, run: Run, ports):
                       "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
                       "--max-total-tokens", str(run.prefill_pool)]
     decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
+    if "prefill_nccl" in ports:
+        prefill += ["--nccl-port", str(ports["prefill_nccl"])]
+        decode += ["--nccl-port", str(ports["decode_nccl"])]
     if args.cp_size > 1 and args.kv_cache_dtype != "bfloat16":
         # NOTE: the prefill only: flashmla_kv fails with in-seq-split fp8; decode is not CP
         # and keeps SGLang's fp8 default (its flashmla_sparse decode has no fp8 read)
         prefill += backends
     if args.cp_size > 1:
         prefill += ["--tp", str(args.cp_size), "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode",
-                    "in-seq-split", "--disable-custom-all-reduce", "--mem-fraction-static", "0.45"]
-        decode += ["--tp", "1", "--mem-fraction-static", "0.85"]
+                    "in-seq-split", "--disable-custom-all-reduce"]
+    else:
+        prefill += ["--tp", "1"]
+    decode += ["--tp", "1"]
+    if args.share_gpu:  # every rank of both servers on GPU 0, every pool fixed (shared_gpu.py)
+        fractions = (shared_gpu.MEM_FRACTION_STATIC,) * 2
+        prefill += shared_gpu.server_args()
+        decode += shared_gpu.server_args()
+    elif args.cp_size > 1:  # decode on GPU 0 beside prefill rank 0
+        fractions = (0.45, 0.85)
     else:  # both on GPU 0: what the prefill leaves
-        prefill += ["--tp", "1", "--mem-fraction-static", "0.3"]
-        decode += ["--tp", "1", "--mem-fraction-static", "0.3"]
+        fractions = (0.3, 0.3)
+    prefill += ["--mem-fraction-static", str(fractions[0])]
+    decode += ["--mem-fraction-static", str(fractions[1])]
     if run.flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
         prefill += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
     if run.decode_flag:
         decode.append("--enable-nsa-prefill-cp-shared-kv")
-    if run.decode_pool is not None:
-        decode += ["--max-total-tokens", str(run.decode_pool)]
+    decode_pool = BIG_POOL if run.decode_pool is None and args.share_gpu else run.decode_pool
+    if decode_pool is not None:
+        decode += ["--max-total-tokens", str(decode_pool)]
     return prefill, decode
 
 
@@ -212,6 +257,10 @@ def run_env(args, run: Run):
         env["CPSKV_E2E_STABLE_TOPK"] = "1"
     if run.corrupt_rank is not None:
         env["CPSKV_E2E_CORRUPT_SEND_RANK"] = str(run.corrupt_rank)
+    if run.stall_rank is not None:
+        env.update(CPSKV_E2E_STALL_WRITE_RANK=str(run.stall_rank), CPSKV_E2E_STALL_WRITE_S=str(STALL_S))
+    if args.share_gpu:
+        env.update(shared_gpu.env())
     return env
 
 
@@ -227,21 +276,31 @@ def _answer(port, body, out, key, timeout):
     out[key]["elapsed_s"] = round(time.monotonic() - t0, 3)
 
 
-def generate_pd(ports, ids, room, timeout=150):
+def generate_pd(ports, ids, room, timeout=150, rid=None, meanwhile=None):
     """Post one prompt to prefill and decode (one bootstrap room); decode's answer as
     {status, ids, logprobs, finish_reason, error}, and the prefill's status. ``timeout``:
     how long each client waits (NOTE: the default is well past SGLang's 60 s waiting and
-    bootstrap timeouts of these runs, so a request lost in PD fails within it)."""
+    bootstrap timeouts of these runs, so a request lost in PD fails within it). ``rid``:
+    the request id on both servers; ``meanwhile(t0)``: called once both are posted
+    (``t0``: the monotonic time they were)."""
     body = {"input_ids": ids, "return_logprob": True, "bootstrap_host": "127.0.0.1",
             "bootstrap_port": ports["bootstrap"], "bootstrap_room": room,
             "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
+    if rid is not None:
+        body["rid"] = rid
     out = {}
     workers = [threading.Thread(target=_answer, args=(ports[side], body, out, side, timeout))
                for side in ("prefill", "decode")]
+    t0 = time.monotonic()
     for w in workers:
         w.start()
+    if meanwhile is not None:
+        meanwhile(t0)
     for w in workers:
         w.join()
+    prefill = out["prefill"]
+    if prefill.get("status") == "ok":  # what the prefill found in its radix cache
+        prefill["cached_tokens"] = (prefill["response"].get("meta_info") or {}).get("cached_tokens")
     return {"decode": summarize_decode(out["decode"]), "prefill": {k: v for k, v in out["prefill"].items()
                                                                     if k != "response"}}
 
@@ -308,6 +367,19 @@ def verdict(runs, cp_size=2):
             if "off" in runs:
                 checks[f"{name}:short_behind=off:short"] = same_answer(probe["short_behind"]["decode"],
                                                                        runs["off"]["prompts"]["short"]["decode"])
+    for name in ("off", "on"):
+        if name in runs:
+            cached = runs[name]["prompts"]["radix_hit"]["prefill"].get("cached_tokens") or 0
+            checks[f"{name}: radix_hit found its {RADIX_PREFIX} tokens in the prefill's cache"] = cached >= RADIX_PREFIX
+    if "on" in runs:
+        sent = runs["on"].get("pages_sent", {})
+        checks["on: every CP rank sent KV and index pages"] = (
+            sorted(int(r) for r in sent) == list(range(cp_size))
+            and all(v.get("kv", 0) > 0 and v.get("state", 0) > 0 for v in sent.values()))
+    if "on_abort" in runs:
+        entry = dict(runs["on_abort"]["prompts"]["chunked_aborted"],
+                     stalled_write_processes=runs["on_abort"]["startup"]["prefill"].get("stalled_write_processes", 0))
+        checks["on_abort fails on decode at once, naming the abort"] = aborted_at_once(entry)
     if "on_corrupt" in runs and "on" in runs:
         for name, answer in runs["on_corrupt"]["prompts"].items():
             checks[f"on_corrupt detected:{name}"] = not same_answer(answer["decode"],
@@ -332,9 +404,58 @@ def probe_small_decode(ports, room_base):
     return out
 
 
+def forwards_done(port) -> int:
+    """Prefill forwards every CP rank of the server on ``port`` has run (write-path counter)."""
+    return int(sum(prometheus_samples(port, WRITE_PATHS_METRIC).values()))
+
+
+def probe_abort(ports, room, cp_size):
+    """on_abort (module docstring): the chunked prompt, aborted on the prefill once every CP
+    rank has run its last chunk (CP rank 1's first write is held meanwhile); decode's answer
+    and how long after the abort it came."""
+    ids = prompts()["chunked"]
+    expected = -(-len(ids) // CHUNK) * cp_size
+    before = forwards_done(ports["prefill"])
+    rid = f"cpskv-e2e-abort-{room}"
+    record = {}
+
+    def abort_once_computed(t0):
+        deadline = time.monotonic() + 60
+        while forwards_done(ports["prefill"]) - before < expected and time.monotonic() < deadline:
+            time.sleep(0.2)
+        record["forwards_before_abort"] = forwards_done(ports["prefill"]) - before
+        record["forwards_expected"] = expected
+        record["abort_at_s"] = round(time.monotonic() - t0, 3)
+        post(ports["prefill"], "/abort_request", {"rid": rid})
+
+    entry = generate_pd(ports, ids, room, timeout=HANG_PROBE_S, rid=rid, meanwhile=abort_once_computed)
+    entry["abort"] = record
+    return entry
+
+
+def aborted_at_once(entry) -> bool:
+    """on_abort's check: a prefill process held its write, every chunk had run, and decode
+    failed the request within AT_ONCE_S of the abort, naming the prefill's abort."""
+    record, answer = entry.get("abort", {}), entry["decode"]
+    return (entry.get("stalled_write_processes", 0) >= 1
+            and record.get("forwards_before_abort", -1) >= record.get("forwards_expected", 0) > 0
+            and answer["status"] in ("http_error", "aborted")
+            and answer.get("elapsed_s", AT_ONCE_S + 1e9) - record["abort_at_s"] < AT_ONCE_S
+            and ABORT_CAUSE in (answer.get("error") or ""))
+
+
+def pages_sent_by_rank(samples):
+    """{cp rank: {"kv": pages, "state": pages}} from the PAGES_SENT_METRIC samples."""
+    ranks = {}
+    for labels, value in samples.items():
+        fields = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.strip("{}").split(","))}
+        ranks.setdefault(int(fields["cp_rank"]), {})[fields["kind"]] = int(value)
+    return dict(sorted(ranks.items()))
+
+
 def run_servers(name, args, work, room_base):
     run_spec = RUNS[name]
-    ports = {"prefill": args.port, "decode": args.port + 1, "bootstrap": args.port + 2}
+    ports = run_ports(args, name)
     prefill_cmd, decode_cmd = server_commands(args, run_spec, ports)
     env = run_env(args, run_spec)
     logs = {side: args.logdir / f"{name}.{args.tag}.{side}.log" for side in ("prefill", "decode")}
@@ -349,24 +470,30 @@ def run_servers(name, args, work, room_base):
         run["boot_s"] = round(time.monotonic() - t0, 1)
         if run_spec.small_decode:
             run["prompts"] = probe_small_decode(ports, room_base)
+        elif run_spec.stall_rank is not None:
+            run["prompts"] = {"chunked_aborted": probe_abort(ports, room_base, args.cp_size)}
         else:
             for i, (prompt, ids) in enumerate(prompts().items()):
                 if prompt != "radix_hit":  # the radix-hit prompt reuses the chunked prompt's cached prefix
-                    post(ports["prefill"], "/flush_cache")
+                    flush_cache(ports["prefill"])
                 run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
         for prompt, entry in run["prompts"].items():
             print(f"[e2e-pd] {name} {prompt}: decode {entry['decode']['status']} in {entry['decode']['elapsed_s']} s",
                   flush=True)
         if run_spec.flag_on:
             run["write_paths"] = prometheus_samples(ports["prefill"], WRITE_PATHS_METRIC)
+            run["pages_sent"] = pages_sent_by_rank(prometheus_samples(ports["prefill"], PAGES_SENT_METRIC))
     finally:
         for proc in reversed(procs):
             stop(proc)
     run["startup"] = {side: startup_figures(path.read_text()) for side, path in logs.items()}
+    sides = (("prefill", args.cp_size), ("decode", 1))
     if not args.stock_topk:  # every TP rank of both servers must have taken it
-        problems = [stable_topk_problem(run["startup"][side], f"{name} {side}", logs[side], tp)
-                    for side, tp in (("prefill", args.cp_size), ("decode", 1))]
+        problems = [stable_topk_problem(run["startup"][side], f"{name} {side}", logs[side], tp) for side, tp in sides]
         run["stable_topk_problems"] = [p for p in problems if p]
+    if args.share_gpu:
+        problems = [shared_gpu.problem(run["startup"][side], f"{name} {side}", logs[side], tp) for side, tp in sides]
+        run["share_gpu_problems"] = [p for p in problems if p]
     return run
 
 
@@ -381,6 +508,9 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=32000, help="prefill port; decode +1, bootstrap +2")
     ap.add_argument("--boot-timeout", type=int, default=480)
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank of both servers on GPU 0 (correctness only: testing/shared_gpu.py)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs whose server pairs go at once (default 1)")
     args = ap.parse_args()
     if not 1 <= args.cp_size <= 8:
         ap.error(f"--cp-size {args.cp_size}: choose 1 (one GPU, no CP) to 8 (one node)")
@@ -389,19 +519,24 @@ def main() -> int:
     unknown = sorted(set(selected) - set(cp_runs))
     if unknown:
         ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}")
-    args.tag = f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
+    args.tag = (f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
+                + (".share-gpu" if args.share_gpu else ""))
     work = Path(args.workdir)
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)
     args.model = write_model(work / "tiny-dsv32-32k", MODEL)
     runs, failed = accumulate_runs(
         work, args.tag, selected, cp_runs,
-        lambda name: run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1)), "e2e-pd")
+        lambda name: run_servers(name, args, work, room_base=1000 * (list(RUNS).index(name) + 1)), "e2e-pd",
+        parallel=args.parallel)
     checks = verdict(runs, args.cp_size)
     for name, run in runs.items():
         if not args.stock_topk:
             checks[f"stable_topk:{name}"] = not run.get("stable_topk_problems", ["not recorded"])
+        if args.share_gpu:
+            checks[f"share_gpu:{name}"] = not run.get("share_gpu_problems", ["not recorded"])
     report = {"cp_size": args.cp_size, "kv_cache_dtype": args.kv_cache_dtype, "stable_topk": not args.stock_topk,
+              "share_gpu": args.share_gpu,
               "runs": sorted(runs), "failed_runs": failed, "checks": checks,
               "decode": {name: {prompt: {k: v for k, v in entry["decode"].items() if k != "logprobs"}
                                 for prompt, entry in run["prompts"].items()} for name, run in runs.items()},
@@ -413,7 +548,14 @@ def main() -> int:
               "prefill": {name: {p: e["prefill"] for p, e in run["prompts"].items()} for name, run in runs.items()},
               "startup": {name: run["startup"] for name, run in runs.items()},
               "boot_s": {name: run.get("boot_s") for name, run in runs.items()},
-              "commands": {name: run.get("commands") for name, run in runs.items()}}
+              "commands": {name: run.get("commands") for name, run in runs.items()},
+              "pages_sent": {name: run["pages_sent"] for name, run in runs.items() if "pages_sent" in run},
+              "write_paths": {name: run["write_paths"] for name, run in runs.items() if "write_paths" in run}}
+    if args.share_gpu:
+        report["note"] = ("every rank of both servers shared one GPU (--share-gpu): a correctness run; its times "
+                          "(boot_s, elapsed_s) say nothing about a deployment")
+    if "on_abort" in runs:
+        report["abort"] = runs["on_abort"]["prompts"]["chunked_aborted"]["abort"]
     if "off_small_decode" in runs:  # stock SGLang and a request its decode can never take: recorded
         report["stock_small_decode"] = {
             prompt: {k: v for k, v in entry["decode"].items() if k in ("status", "elapsed_s", "error")}

@@ -8,14 +8,17 @@
 # Usage: scripts/gpu_session.sh [pytest args...]   results go to $OUT (default ./gpu-out)
 #   TESTS="test/gpu/x.py ..." narrows the tests (default: test/gpu; "none" skips them);
 #   BENCH=0 skips the benchmarks; E2E="off_a,on,..." runs those servers of
-#   scripts/e2e_cp2_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
+#   scripts/e2e_cp_logprobs.py (needs 2 GPUs; runs accumulate in ~/e2e-work while the
 #   machine stays warm, logs are copied to $out; E2E_ARGS="--stable-topk" adds options,
-#   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe); TTFT="--runs 5 ..." runs
+#   E2E=all with E2E_ARGS="--tp 1" is the one-GPU determinism probe; E2E_ARGS="--tp 4
+#   --share-gpu" runs CP4 on one GPU; several sets, separated by ';', run one after
+#   another, each report named after its arguments); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
 #   TP1 noise floor on one; JSON and logs to $out);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
-#   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder);
+#   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder;
+#   several argument sets separated by ';' run one after another, each report named after them);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
 #   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
 #   SELFCHECK="--cp-size 2 ..." runs `python -m sglang_cp_shared_kv selfcheck --device cuda --json` with
@@ -24,7 +27,10 @@
 #   process per GPU (history gathers vs a plain all-gather; chunk gathers, SGLang's vs local
 #   writes; JSON to $out/bench_materialize_nccl.json).
 # Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
-# DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster.
+# DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster;
+# without it, this machine's cache is packed to $out/jit-cache.tar.xz after every job, for the next.
+# PACK=file: after every job, everything under $out is packed into that one tar.xz (the
+# device tool brings back at most 8 files; a call stopped at its time limit keeps the last pack).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -57,26 +63,51 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 status=0
+jit_packed=""
+checkpoint() {  # PACK: $out as one archive, rewritten after every job
+  # this machine's JIT cache for the next machine, whenever it grew (not when one was carried)
+  if [ ! -f .gpu-site/jit-cache.tar.xz ] && [ -d "$HOME/.cache" ]; then
+    size=$(du -sb "$HOME/.cache" | cut -f1)
+    [ "$size" != "$jit_packed" ] && tar -cJf "$out/jit-cache.tar.xz" -C "$HOME" .cache 2>/dev/null && jit_packed=$size
+  fi
+  [ -n "${PACK:-}" ] || return 0
+  tar -cJf "$PACK.tmp" -C "$out" . 2>/dev/null && mv "$PACK.tmp" "$PACK"
+}
+slug() { printf '%s' "$1" | sed -e 's/--//g' -e 's/[^A-Za-z0-9]\{1,\}/_/g' -e 's/^_//' -e 's/_$//'; }
 if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
+  checkpoint
 fi
 # NOTE: the short jobs first, so a server run that hits the call's time limit loses only itself
 if [ -n "${MATERIALIZE:-}" ]; then
   python3 scripts/bench_materialize.py --collective $MATERIALIZE > "$out/bench_materialize_nccl.json" \
     2> "$out/bench_materialize_nccl.err" || { status=1; tail -5 "$out/bench_materialize_nccl.err"; }
+  checkpoint
 fi
 if [ -n "${SELFCHECK:-}" ]; then
   python3 -m sglang_cp_shared_kv selfcheck --device cuda --json $SELFCHECK > "$out/selfcheck_cuda.json" \
     2> "$out/selfcheck_cuda.err" || status=1
   python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('selfcheck', d['verdict'], d['write_paths'])" \
     "$out/selfcheck_cuda.json" || tail -5 "$out/selfcheck_cuda.err"
+  checkpoint
 fi
 if [ -n "${E2E:-}" ]; then
   runs=(--runs "$E2E"); [ "$E2E" = all ] && runs=()
-  python3 scripts/e2e_cp2_logprobs.py "${runs[@]}" ${E2E_ARGS:-} --workdir "$HOME/e2e-work" \
-    --logdir "$out/e2e-logs" --out "$out/e2e.json" > "$out/e2e.txt" 2>&1 || status=1
-  cp "$HOME"/e2e-work/*.json "$out"/ 2>/dev/null
-  tail -40 "$out/e2e.txt"
+  IFS=';' read -ra sets <<< "${E2E_ARGS:-}"; [ ${#sets[@]} -eq 0 ] && sets=("")
+  for set in "${sets[@]}"; do
+    name=e2e${set:+_$(slug "$set")}
+    python3 scripts/e2e_cp_logprobs.py "${runs[@]}" $set --workdir "$HOME/e2e-work" \
+      --logdir "$out/e2e-logs" --out "$out/$name.json" > "$out/$name.txt" 2>&1 || status=1
+    mkdir -p "$out/e2e-runs" && cp "$HOME"/e2e-work/*.json "$out/e2e-runs/" 2>/dev/null
+    grep -E '"pass"|FAILED' "$out/$name.txt" | tail -3
+    checkpoint
+  done
+fi
+if [ -n "${UNEVEN:-}" ]; then  # UNEVEN="--tp 8": scripts/repro_cp_uneven_split.py, one GPU
+  python3 scripts/repro_cp_uneven_split.py $UNEVEN --workdir "$out/uneven-work" --out "$out/repro_cp_uneven_split.json" \
+    > "$out/repro_cp_uneven_split.txt" 2>&1 || status=1
+  rm -rf "$out/uneven-work/tiny-dsv32-64k"; tail -25 "$out/repro_cp_uneven_split.txt"
+  checkpoint
 fi
 if [ -n "${TTFT:-}" ]; then
   # the work folder under $out: its server logs come back even if the call runs out of time
@@ -88,10 +119,15 @@ if [ -n "${PD:-}" ]; then
   mkdir -p "$HOME/pd-work"
   # runs of an earlier call on another machine (their JSON from its pd-logs.tar.xz)
   [ -n "${PD_SEED:-}" ] && cp "$PD_SEED"/*.json "$HOME/pd-work/"
-  python3 scripts/e2e_pd_gpu.py $PD --workdir "$HOME/pd-work" --logdir "$out/pd-logs" \
-    --out "$out/e2e_pd_gpu.json" > "$out/e2e_pd_gpu.txt" 2>&1 || status=1
-  tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
-  grep "^\[e2e-pd\]" "$out/e2e_pd_gpu.txt"; tail -30 "$out/e2e_pd_gpu.txt"
+  IFS=';' read -ra sets <<< "$PD"
+  for set in "${sets[@]}"; do
+    name=e2e_pd_gpu; [ ${#sets[@]} -gt 1 ] && name=e2e_pd_gpu_$(slug "$set")
+    python3 scripts/e2e_pd_gpu.py $set --workdir "$HOME/pd-work" --logdir "$out/pd-logs" \
+      --out "$out/$name.json" > "$out/$name.txt" 2>&1 || status=1
+    tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
+    grep "^\[e2e-pd\]" "$out/$name.txt"; grep -E '"pass"' "$out/$name.txt" | tail -1
+    checkpoint
+  done
 fi
 if [ -n "${PD_BENCH:-}" ]; then
   python3 scripts/bench_pd_transfer.py $PD_BENCH --workdir "$HOME/pd-bench-work" --out "$out/bench_pd_transfer.json" \
@@ -99,6 +135,7 @@ if [ -n "${PD_BENCH:-}" ]; then
   tar -cJf "$out/pd-bench-logs.tar.xz" -C "$HOME/pd-bench-work" . 2>/dev/null
   tail -30 "$out/bench_pd_transfer.txt"
 fi
+checkpoint
 [ "${BENCH:-1}" = 0 ] && exit $status
 for bench in scripts/bench_kernels.py scripts/bench_materialize.py; do
   [ -f "$bench" ] || continue

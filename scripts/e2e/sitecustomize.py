@@ -1,4 +1,4 @@
-"""Test-only process setup for scripts/e2e_cp2_logprobs.py (inert unless CPSKV_E2E=1).
+"""Test-only process setup for scripts/e2e_cp_logprobs.py (inert unless CPSKV_E2E=1).
 
 Python imports ``sitecustomize`` at start-up from PYTHONPATH, so this also runs in the
 scheduler processes SGLang spawns. It
@@ -7,24 +7,36 @@ scheduler processes SGLang spawns. It
   become 1 (biases 0) and every other >= 2-D float parameter N(0, 0.02) from a generator
   seeded by the parameter's name (every TP shard of a parameter gets the same values);
 * with CPSKV_E2E_CORRUPT_RANK=r, zeroes the first gathered history page of every MLA
-  dense view on CP rank r: the negative control that must land outside the flag-off
-  run-to-run spread;
+  dense view on CP rank r (``forward.materialize.finish_mla_view``, the one function every
+  view goes through): the negative control that must land outside the flag-off run-to-run
+  spread;
 * with CPSKV_E2E_CORRUPT_SEND_RANK=r, prefill CP rank r sends each chunk's first two
   owned pages swapped (each lands on decode at the other's position): the PD negative
   control (scripts/e2e_pd_gpu.py), which decode's output must show;
 * with CPSKV_E2E_STABLE_TOPK=1, replaces SGLang's NSA top-k kernels (``sgl_kernel``) by
   the deterministic stand-ins of ``sglang_cp_shared_kv.testing.stable_topk`` (same keys,
   in key order), so that repeated runs -- flag off and on alike -- are bit-identical
-  past index_topk keys too.
+  past index_topk keys too;
+* with CPSKV_E2E_SHARE_GPU=1, puts every TP rank of the server on ``cuda:0``: several CP
+  ranks share one GPU (correctness runs only; see ``sglang_cp_shared_kv.testing.shared_gpu``);
+* with CPSKV_E2E_STALL_WRITE_RANK=r, prefill CP rank r holds its first Mooncake write for
+  CPSKV_E2E_STALL_WRITE_S seconds (default 30): a request aborted meanwhile is aborted
+  mid-transfer (scripts/e2e_pd_gpu.py, run ``on_abort``).
 """
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 import zlib
 
 if os.environ.get("CPSKV_E2E") == "1":
+
+    def _chain(first, second):
+        """Both patches of one module, in order (``first`` may be None)."""
+        return second if first is None else (lambda module: (first(module), second(module)))
 
     def _non_degenerate(original):
         def initialize(model, *args, **kwargs):
@@ -46,15 +58,17 @@ if os.environ.get("CPSKV_E2E") == "1":
         return initialize
 
     def _corrupting(original, rank):
-        def materialize_mla(state, pool, layer, chunk):
-            dense = original(state, pool, layer, chunk)
+        # NOTE: finish_mla_view is where every dense MLA view is completed, prefetched or not
+        # (forward/hooks.py calls it through the module); materialize_mla is one caller of it
+        def finish_mla_view(state, pool, layer, history, chunk):
+            dense = original(state, pool, layer, history, chunk)
             start, end = state.page_map.history_region
             if state.layout.cp_rank == rank and end > start:
                 page = state.layout.page_size
                 dense[start * page: (start + 1) * page] = 0
             return dense
 
-        return materialize_mla
+        return finish_mla_view
 
     _PATCHES = {
         "sglang.srt.model_loader.weight_utils": lambda m: setattr(
@@ -62,7 +76,7 @@ if os.environ.get("CPSKV_E2E") == "1":
     }
     if os.environ.get("CPSKV_E2E_CORRUPT_RANK"):
         _PATCHES["sglang_cp_shared_kv.forward.materialize"] = lambda m: setattr(
-            m, "materialize_mla", _corrupting(m.materialize_mla, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
+            m, "finish_mla_view", _corrupting(m.finish_mla_view, int(os.environ["CPSKV_E2E_CORRUPT_RANK"])))
 
     def _duplicating_sends(module, rank):
         # NOTE: not a swap of two pages: attention and the top-k are blind to the order of
@@ -94,6 +108,48 @@ if os.environ.get("CPSKV_E2E") == "1":
     if os.environ.get("CPSKV_E2E_STABLE_TOPK") == "1":
         # sgl_kernel/__init__ binds the names from sgl_kernel.top_k right after it runs
         _PATCHES["sgl_kernel.top_k"] = _stable_topk
+
+    def _sharing_one_gpu(module):
+        # NOTE: functools.wraps keeps the original's __module__ and __qualname__: SGLang hands
+        # this function to a spawned process, which pickles it by that name (and finds this
+        # wrapper there too, since this file runs in the child before it unpickles).
+        original = module.run_scheduler_process
+
+        @functools.wraps(original)
+        def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, *args, **kwargs):
+            from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
+
+            # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")
+            # unless each believes it is a host of its own: then it uses its socket transport
+            os.environ["NCCL_HOSTID"] = nccl_host_id(server_args.port, tp_rank)
+            print(f"{SHARED_GPU_LINE} tp rank {tp_rank} (gpu {gpu_id}) on cuda:0, "
+                  f"NCCL_HOSTID={os.environ['NCCL_HOSTID']} (pid {os.getpid()})", flush=True)
+            return original(server_args, port_args, 0, tp_rank, *args, **kwargs)
+
+        module.run_scheduler_process = run_scheduler_process
+
+    if os.environ.get("CPSKV_E2E_SHARE_GPU") == "1":
+        _PATCHES["sglang.srt.managers.scheduler"] = _sharing_one_gpu
+
+    def _stalling_first_write(module, rank, seconds):
+        write = module.PrefillShardTransfer.write
+        stalled = []
+
+        def stalling(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
+            if self.layout.cp_rank == rank and not stalled:
+                stalled.append(True)
+                print(f"[cpskv-e2e] CP rank {rank} holds its first write {seconds} s (pid {os.getpid()})",
+                      flush=True)
+                time.sleep(seconds)
+            return write(self, original, kv_mgr, mooncake_session_id, transfer_blocks)
+
+        module.PrefillShardTransfer.write = stalling
+
+    if os.environ.get("CPSKV_E2E_STALL_WRITE_RANK"):
+        _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = _chain(
+            _PATCHES.get("sglang_cp_shared_kv.transfer.prefill"),
+            lambda m: _stalling_first_write(m, int(os.environ["CPSKV_E2E_STALL_WRITE_RANK"]),
+                                            float(os.environ.get("CPSKV_E2E_STALL_WRITE_S", "30"))))
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):
         """Patch a module right after it executes, before anything binds its names."""

@@ -22,8 +22,9 @@ def pd():
     return load_script("e2e_pd_gpu")
 
 
-def _args(cp_size, dtype="bfloat16"):
-    return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, cp_size=cp_size, stock_topk=False)
+def _args(cp_size, dtype="bfloat16", share_gpu=False):
+    return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, cp_size=cp_size, stock_topk=False,
+                              share_gpu=share_gpu, port=32000)
 
 
 @pytest.mark.parametrize("cp_size,flag_on,dtype", [(2, False, "bfloat16"), (2, True, "fp8_e4m3"), (4, True, "bfloat16"),
@@ -42,7 +43,9 @@ def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, f
     assert p.tensor_parallel_size == cp_size and d.tensor_parallel_size == 1
     assert p.enable_nsa_prefill_context_parallel == (cp_size > 1)
     assert (FLAG in prefill) == flag_on and (FLAG in decode) == flag_on  # the flag on both servers
-    assert d.max_total_tokens is None
+    assert d.max_total_tokens is None and (p.mem_fraction_static, d.mem_fraction_static) == (
+        (0.45, 0.85) if cp_size > 1 else (0.3, 0.3))
+    assert not p.sleep_on_idle and not d.sleep_on_idle
     # bf16: flashmla_sparse on both. fp8: with CP the prefill runs flashmla_sparse, flag off too
     # (stock fp8's flashmla_kv crashes there); decode keeps SGLang's fp8 default (its
     # flashmla_sparse decode reads the fp8 cache without dequantizing it)
@@ -51,6 +54,36 @@ def test_server_commands_parse_with_sglangs_parser(pd, plugin_loaded, cp_size, f
     want_decode = sparse if dtype == "bfloat16" else unset
     assert (p.nsa_prefill_backend, p.nsa_decode_backend) == want_prefill
     assert (d.nsa_prefill_backend, d.nsa_decode_backend) == want_decode
+
+
+@pytest.mark.parametrize("cp_size", [2, 8])
+def test_share_gpu_servers_fix_every_pool_and_take_their_own_ports(pd, plugin_loaded, cp_size):
+    """--share-gpu: both servers' pools fixed (decode's at BIG_POOL where the run names none),
+    the shared memory fraction, idle schedulers asleep; every run on ports of its own."""
+    from sglang.srt.server_args import ServerArgs
+
+    from sglang_cp_shared_kv.testing import shared_gpu
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    args = _args(cp_size, share_gpu=True)
+    used = set()
+    for name, run in pd.RUNS.items():
+        ports = pd.run_ports(args, name)
+        assert not used & set(ports.values())
+        used |= set(ports.values())
+        prefill, decode = pd.server_commands(args, run, ports)
+        p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
+        d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
+        assert p.mem_fraction_static == d.mem_fraction_static == shared_gpu.MEM_FRACTION_STATIC
+        assert p.sleep_on_idle and d.sleep_on_idle and p.disable_custom_all_reduce
+        assert p.max_total_tokens == run.prefill_pool
+        assert d.max_total_tokens == (run.decode_pool or pd.BIG_POOL)
+        assert (p.port, d.port, p.disaggregation_bootstrap_port, p.nccl_port, d.nccl_port) == (
+            ports["prefill"], ports["decode"], ports["bootstrap"], ports["prefill_nccl"], ports["decode_nccl"])
+        env = pd.run_env(args, run)
+        assert {k: env[k] for k in shared_gpu.ENV} == shared_gpu.ENV
+        assert ("CPSKV_E2E_STALL_WRITE_RANK" in env) == (name == "on_abort")
 
 
 def test_the_over_pool_prompt_exceeds_one_rank_and_fits_two(pd):
@@ -76,7 +109,8 @@ def test_decode_answers_are_recorded_as_answered_aborted_or_failed(pd):
 
 def _runs(pd, corrupt_differs=True, on_gap=0.0, guard_waits=False):
     def answer(value):
-        return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0]}, "prefill": {"status": "ok"}}
+        return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0]},
+                "prefill": {"status": "ok", "cached_tokens": pd.RADIX_PREFIX}}
 
     def refused(message, elapsed=0.1):
         return {"decode": {"status": "http_error", "error": message, "elapsed_s": elapsed},
@@ -95,6 +129,11 @@ def _runs(pd, corrupt_differs=True, on_gap=0.0, guard_waits=False):
                                   "decode_window": window, "short_behind": answer(-0.5)}}
     runs["off_small_decode"]["prompts"]["decode_window"] = {"decode": {"status": "error", "error": "timed out",
                                                                        "elapsed_s": pd.HANG_PROBE_S}}
+    runs["on"]["pages_sent"] = {"0": {"kv": 60, "state": 60}, "1": {"kv": 58, "state": 58}}  # JSON keys
+    runs["on_abort"] = {"startup": {"prefill": {"stalled_write_processes": 1}}, "prompts": {"chunked_aborted": {
+        **refused(f"...; cause: prefill CP rank 1 of 2: room 7 ends unsent: {pd.ABORT_CAUSE} before sending all",
+                  elapsed=3.5),
+        "abort": {"forwards_before_abort": 8, "forwards_expected": 8, "abort_at_s": 3.0}}}}
     return runs
 
 
@@ -110,7 +149,50 @@ def test_verdict_is_exact_and_needs_the_control_to_show(pd):
         "off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit", "off_big answers over_pool",
         "off_big answers over_logical", "guarded_small_decode refuses decode_over at once",
         "guarded_small_decode refuses decode_window at once", "guarded_small_decode answers short_behind",
-        "guarded_small_decode:short_behind=off:short"}
+        "guarded_small_decode:short_behind=off:short",
+        f"off: radix_hit found its {pd.RADIX_PREFIX} tokens in the prefill's cache"}
+
+
+def test_the_radix_hit_must_find_its_prefix_in_the_prefills_cache(pd):
+    runs = _runs(pd)
+    check = f"on: radix_hit found its {pd.RADIX_PREFIX} tokens in the prefill's cache"
+    assert pd.verdict(runs)[check]
+    runs["on"]["prompts"]["radix_hit"] = {**runs["on"]["prompts"]["radix_hit"], "prefill": {"status": "ok",
+                                                                                           "cached_tokens": 0}}
+    assert not pd.verdict(runs)[check]
+    prompts = pd.prompts()
+    assert prompts["radix_hit"][:pd.RADIX_PREFIX] == prompts["chunked"][:pd.RADIX_PREFIX]
+    assert list(prompts).index("radix_hit") == list(prompts).index("chunked") + 1  # posted right after it
+
+
+def test_every_cp_rank_must_have_sent_pages(pd):
+    runs = _runs(pd)
+    check = "on: every CP rank sent KV and index pages"
+    assert pd.verdict(runs)[check]
+    runs["on"]["pages_sent"]["1"]["state"] = 0  # rank 1 sent no index page
+    assert not pd.verdict(runs)[check]
+    del runs["on"]["pages_sent"]["1"]  # rank 1 sent nothing at all
+    assert not pd.verdict(runs)[check]
+    assert pd.pages_sent_by_rank({'{cp_rank="1",kind="kv"}': 4.0, '{cp_rank="0",kind="state"}': 2.0,
+                                  '{cp_rank="0",kind="kv"}': 3.0}) == {0: {"state": 2, "kv": 3}, 1: {"kv": 4}}
+
+
+def test_an_abort_mid_transfer_must_fail_on_decode_at_once_naming_the_abort(pd):
+    """on_abort: decode's failure must come within AT_ONCE_S of the abort (stock decode waits
+    for its waiting timeout), name the prefill's abort, and the abort must have come after
+    every chunk ran while a write was held (else it was not mid-transfer)."""
+    check = "on_abort fails on decode at once, naming the abort"
+    assert pd.verdict(_runs(pd))[check]
+    for change in (
+        lambda e, s: e["decode"].update(elapsed_s=e["abort"]["abort_at_s"] + pd.AT_ONCE_S),  # too late
+        lambda e, s: e["decode"].update(error="...; cause: prefill CP rank 1 of 2: rejected room 7"),  # not the abort
+        lambda e, s: e.update(decode={"status": "ok", "ids": [1], "logprobs": [-1.0], "elapsed_s": 3.1}),  # answered
+        lambda e, s: e["abort"].update(forwards_before_abort=7),  # aborted before the last chunk ran
+        lambda e, s: s.update(stalled_write_processes=0),  # no write held: maybe not mid-transfer
+    ):
+        runs = _runs(pd)
+        change(runs["on_abort"]["prompts"]["chunked_aborted"], runs["on_abort"]["startup"]["prefill"])
+        assert not pd.verdict(runs)[check]
 
 
 def test_the_small_decode_verdict_needs_a_refusal_at_once_that_names_the_flag(pd):

@@ -14,7 +14,7 @@ m = torch.nn.Module(); m.input_layernorm = torch.nn.LayerNorm(8); m.proj = torch
 wu.initialize_dummy_weights(m)
 print("NORM", float(m.input_layernorm.weight.mean()), "STD", float(m.proj.weight.std()))
 import sglang_cp_shared_kv.forward.materialize as mat
-print("WRAPPED", mat.materialize_mla.__name__ == "materialize_mla" and mat.materialize_mla.__module__ != mat.__name__)
+print("WRAPPED", mat.finish_mla_view.__name__ == "finish_mla_view" and mat.finish_mla_view.__module__ != mat.__name__)
 """
 
 
@@ -32,6 +32,23 @@ def test_e2e_sitecustomize():
     assert abs(float(stock["NORM"])) < 1e-2 and float(stock["STD"]) < 1e-2 and stock["WRAPPED"] == "False"
     e2e = _run({"CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_RANK": "1"})
     assert float(e2e["NORM"]) == 1.0 and 0.015 < float(e2e["STD"]) < 0.025 and e2e["WRAPPED"] == "True"
+
+
+def test_the_negative_control_corrupts_the_views_the_forward_hooks_read():
+    """CPSKV_E2E_CORRUPT_RANK=1 must reach what the plugin's hooks compute with: the selfcheck
+    (the plugin's real forward path on 2 CPU ranks) then finds rank 1's attention differing.
+    NOTE: written after the first CP2 server run on one H200 (2026-12-03) left the control
+    undetected on every prompt: the switch wrapped ``materialize_mla``, which the forward
+    hooks no longer call (they finish every view, prefetched or not, in ``finish_mla_view``)."""
+    env = {**os.environ, "CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_RANK": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"), str(ROOT / "python")])}
+    out = subprocess.run([sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    verdict = [line for line in out.stdout.splitlines() if line.startswith(("FAIL", "PASS"))]
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
+    assert [line.split()[1:3] for line in verdict if line.startswith("FAIL")] == [["prefill", "bit-exact"]]
+    failure = next(line for line in verdict if "bit-exact" in line)
+    assert "rank 1:" in failure and "rank 0:" not in failure and "attention output: differs" in failure
 
 
 FAKE_SGL_KERNEL = {  # the shape of sgl_kernel's package: __init__ binds the names from .top_k
@@ -70,7 +87,7 @@ def test_stable_topk_switch_replaces_the_kernels_sglang_imports(tmp_path):
 def test_e2e_verdict_demands_bit_equality_with_the_stable_topk():
     from sglang_cp_shared_kv.testing.support import load_script
 
-    e2e = load_script("e2e_cp2_logprobs")
+    e2e = load_script("e2e_cp_logprobs")
     same = {"near_max": 0.0, "far_max": 0.0, "far_mean": 0.0}
     noisy = {"near_max": 0.0, "far_max": 0.03, "far_mean": 0.004}
     slightly = {"near_max": 0.0, "far_max": 1e-6, "far_mean": 1e-7}
@@ -114,3 +131,161 @@ def test_an_installed_mooncake_engine_that_does_not_import_fails_instead_of_skip
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     with pytest.raises(pytest.skip.Exception, match="needs one of mooncake-transfer-engine-non-cuda"):
         support.mooncake_engine_or_skip()
+
+
+FAKE_SCHEDULER = '''
+import json, os, sys
+
+
+def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, attn_cp_rank, *rest):
+    """Stands in for SGLang's: records what the spawned scheduler process was given."""
+    with open(port_args, "w") as f:
+        json.dump({"gpu_id": gpu_id, "tp_rank": tp_rank, "attn_cp_rank": attn_cp_rank, "rest": list(rest),
+                   "nccl_host_id": os.environ.get("NCCL_HOSTID")}, f)
+'''
+CHECK_SHARE = """
+import json, multiprocessing, pickle, sys, types
+import sglang.srt.managers.scheduler as sched
+print("SAME_BY_NAME", pickle.loads(pickle.dumps(sched.run_scheduler_process)) is sched.run_scheduler_process)
+server_args = types.SimpleNamespace(port=31020)
+records = []
+for tp_rank, gpu_id in ((0, 0), (3, 3)):  # SGLang's gpu_id = base_gpu_id + tp_rank * gpu_id_step
+    path = f"{sys.argv[1]}/rank{tp_rank}.json"
+    # SGLang starts each scheduler process like this (0.5.12.post1 entrypoints/engine.py)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=sched.run_scheduler_process, args=(server_args, path, gpu_id, tp_rank, 0, 0, 0, 0, None, "pipe"))
+    proc.start(); proc.join()
+    assert proc.exitcode == 0, proc.exitcode
+    records.append(json.load(open(path)))
+print("RECORDS", json.dumps(records))
+"""
+
+
+def _scheduler_records(tmp_path, extra_env):
+    package = tmp_path / "fake" / "sglang" / "srt" / "managers"
+    package.mkdir(parents=True)
+    for folder in (package, package.parent, package.parent.parent):
+        (folder / "__init__.py").write_text("")
+    (package / "scheduler.py").write_text(FAKE_SCHEDULER)
+    env = {**os.environ, **extra_env, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT / "scripts" / "e2e"), str(ROOT / "python"), str(tmp_path / "fake")])}
+    env.pop("NCCL_HOSTID", None)
+    out = subprocess.run([sys.executable, "-c", CHECK_SHARE, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("SAME_BY_NAME", "RECORDS")))
+    import json
+
+    return lines["SAME_BY_NAME"] == "True", json.loads(lines["RECORDS"]), out.stdout
+
+
+def test_share_gpu_switch_puts_every_rank_on_gpu_0_with_a_host_id_of_its_own(tmp_path):
+    """CPSKV_E2E_SHARE_GPU=1: each scheduler process SGLang spawns gets gpu_id 0 and an
+    NCCL_HOSTID unique to its server and TP rank, set before anything else runs in it; the
+    wrapper still pickles by the original's name (SGLang's spawn needs that)."""
+    from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
+
+    same, stock, _ = _scheduler_records(tmp_path / "stock", {"CPSKV_E2E": "1"})
+    assert same and [r["gpu_id"] for r in stock] == [0, 3] and {r["nccl_host_id"] for r in stock} == {None}
+    same, shared, out = _scheduler_records(tmp_path / "shared", {"CPSKV_E2E": "1", "CPSKV_E2E_SHARE_GPU": "1"})
+    assert same and [r["gpu_id"] for r in shared] == [0, 0]
+    assert [r["nccl_host_id"] for r in shared] == [nccl_host_id(31020, 0), nccl_host_id(31020, 3)]
+    assert [r["rest"] for r in shared] == [r["rest"] for r in stock]  # every other argument as SGLang gave it
+    assert len(set(r["nccl_host_id"] for r in shared)) == 2 and nccl_host_id(31020, 0) != nccl_host_id(31030, 0)
+    # the line the e2e scripts count to know every rank took it, printed by each spawned child
+    assert out.count(SHARED_GPU_LINE) == 2 and "tp rank 3 (gpu 3) on cuda:0" in out
+
+
+def test_a_run_whose_ranks_did_not_all_share_the_gpu_fails_its_check(tmp_path):
+    from sglang_cp_shared_kv.testing import shared_gpu
+    from sglang_cp_shared_kv.testing.server import startup_figures
+
+    log = "\n".join(f"{shared_gpu.SHARED_GPU_LINE} tp rank {r} (gpu {r}) on cuda:0" for r in range(3))
+    figures = startup_figures(log)
+    assert figures["shared_gpu_processes"] == 3
+    assert shared_gpu.problem(figures, "on", Path("on.log"), 3) is None
+    assert "3 scheduler process(es) reported it, fewer than its 4 TP rank(s)" in shared_gpu.problem(
+        figures, "on", Path("on.log"), 4)
+
+
+def test_logprob_runs_check_capacity_at_every_cp_size():
+    """e2e_cp_logprobs: over_rank_pool is over one rank's physical pool and under N of them
+    (with room for the scheduler's margin); off_b must refuse it, on must serve it, the
+    startup split must be exactly N x POOL, and every rank must have taken both write paths."""
+    from sglang_cp_shared_kv.testing.support import load_script
+
+    e2e = load_script("e2e_cp_logprobs")
+    for n in (2, 3, 4, 8):
+        tokens = e2e.over_rank_pool_tokens(n)
+        assert e2e.POOL < tokens <= (n - 0.5) * e2e.POOL and tokens + 1 <= e2e.MODEL["max_position_embeddings"]
+        assert len(e2e.prompts(n)["over_rank_pool"][0]) == tokens
+    assert e2e.over_rank_pool_tokens(4) >= 3 * e2e.POOL and e2e.over_rank_pool_tokens(8) >= 7 * e2e.POOL
+    assert e2e.CHUNK % (2 * 8 * 64) == 0  # full chunks are stored where computed up to CP8
+    for n in (2, 8):
+        samples = {}
+        for rank in range(n):
+            samples[f'{{cp_rank="{rank}",index="local",mla="local"}}'] = 30.0
+            samples[f'{{cp_rank="{rank}",index="gathered",mla="gathered"}}'] = 5.0
+        answered = [-1.0, -2.0]
+        runs = {"off_a": {"logprobs": {"over_rank_pool": answered}},
+                "off_b": {"logprobs": {"over_rank_pool": {"refused": "HTTP 400: exceeds the maximum allowed length"}}},
+                "on": {"logprobs": {"over_rank_pool": answered}, "write_paths": samples,
+                       "startup": {"shared": [(e2e.POOL, n * e2e.POOL)]}}}
+        checks = e2e.capacity_checks(runs, n)
+        assert len(checks) == 5 and all(checks.values()), checks
+        bad = json_copy(runs)
+        bad["on"]["startup"]["shared"] = [(e2e.POOL, n * e2e.POOL - 64)]
+        assert not all(e2e.capacity_checks(bad, n).values())
+        bad = json_copy(runs)
+        bad["off_b"]["logprobs"]["over_rank_pool"] = answered  # stock served it: not over its pool
+        assert not all(e2e.capacity_checks(bad, n).values())
+        bad = json_copy(runs)
+        del bad["on"]["write_paths"][f'{{cp_rank="{n - 1}",index="gathered",mla="gathered"}}']
+        assert not all(e2e.capacity_checks(bad, n).values())
+        assert e2e.write_paths_by_rank(samples)[n - 1] == {"local": 30, "gathered": 5, "mla_local": 30}
+
+
+def json_copy(value):
+    import json
+
+    return json.loads(json.dumps(value))
+
+
+def test_a_prompt_off_b_refuses_is_judged_against_off_a_alone():
+    from sglang_cp_shared_kv.testing.support import load_script
+
+    e2e = load_script("e2e_cp_logprobs")
+    same = {"near_max": 0.0, "far_max": 0.0, "far_mean": 0.0}
+    corrupt = {"near_max": 0.0, "far_max": 0.3, "far_mean": 0.1}
+    checks = e2e.verdict({"on": same, "corrupt": corrupt}, True, True)
+    assert checks == {"on_bit_identical": True, "control_detected": True}
+    assert not e2e.verdict({"on": {**same, "far_max": 1e-7}, "corrupt": corrupt}, True, True)["on_bit_identical"]
+
+
+STALL_CHECK = """
+import time
+from types import SimpleNamespace
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.transfer.prefill import PrefillShardTransfer
+PrefillShardTransfer.write.__defaults__  # the class as patched (or not)
+for rank in (0, 1):
+    me = SimpleNamespace(layout=CpSharedKVLayout(cp_size=2, cp_rank=rank, page_size=64), max_descriptors_per_batch=8,
+                         stats=SimpleNamespace(add=lambda **k: None), write_failures=None, who="test")
+    for call in range(2):
+        t0 = time.monotonic()
+        ret = PrefillShardTransfer.write(me, lambda mgr, session, batch: 0, None, "s", [(0, 0, 8)])
+        print("WRITE", rank, call, ret, round(time.monotonic() - t0, 1))
+"""
+
+
+def test_stall_switch_holds_only_the_named_ranks_first_write():
+    env = {**os.environ, "CPSKV_E2E": "1", "CPSKV_E2E_STALL_WRITE_RANK": "1", "CPSKV_E2E_STALL_WRITE_S": "1.5",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"), str(ROOT / "python")])}
+    out = subprocess.run([sys.executable, "-c", STALL_CHECK], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    writes = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("WRITE")]
+    held = {(rank, call) for rank, call, ret, seconds in writes if float(seconds) >= 1.5}
+    assert held == {("1", "0")} and all(ret == "0" for _, _, ret, _ in writes)  # the write still goes ahead
+    from sglang_cp_shared_kv.testing.server import STALLED_WRITE_LINE
+
+    assert out.stdout.count(STALLED_WRITE_LINE) == 1

@@ -1,4 +1,4 @@
-"""Real SGLang servers for the end-to-end scripts (``scripts/e2e_cp2_logprobs.py``,
+"""Real SGLang servers for the end-to-end scripts (``scripts/e2e_cp_logprobs.py``,
 ``scripts/bench_e2e_ttft.py``): a small model directory, one server process per call
 (its own process group, its log in a file), a health wait with a deadline, JSON over HTTP,
 and a stop that always ends the process group.
@@ -10,15 +10,19 @@ logits depend on the KV the kernels read.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
+
+from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE
 
 ROOT = Path(__file__).resolve().parents[3]
 E2E_SITE = ROOT / "scripts" / "e2e"
@@ -69,6 +73,23 @@ def post(port: int, path: str, body=None, timeout: float = 600):
         return text.decode(errors="replace")
 
 
+def flush_cache(port: int, within_s: float = 30.0) -> None:
+    """``/flush_cache``, asked again until the server takes it (within ``within_s``).
+
+    NOTE: SGLang refuses a flush while any request is pending (HTTP 400, "Cache not flushed
+    because there are pending requests"), and a request counts as pending for a moment after
+    its answer came back (seen on a CP4 server: #queue-req 0, #running-req 0, refused)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            post(port, "/flush_cache")
+            return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 #: the plugin's count of prefill forwards by how their chunk reached the shards
 WRITE_PATHS_METRIC = "sglang:cp_shared_kv_prefill_forwards_total"
 
@@ -116,11 +137,15 @@ def startup_figures(log_text: str) -> Dict:
     return {"pool_tokens": sorted({int(x) for x in physical}),
             "shared": sorted({(int(a), int(b)) for a, b in shared}),
             "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k"),
-            "corrupting_processes": log_text.count(CORRUPTING_SENDS_LINE)}
+            "corrupting_processes": log_text.count(CORRUPTING_SENDS_LINE),
+            "shared_gpu_processes": log_text.count(SHARED_GPU_LINE),
+            "stalled_write_processes": log_text.count(STALLED_WRITE_LINE)}
 
 
 #: what ``scripts/e2e/sitecustomize.py`` prints in each process whose sends it corrupts
 CORRUPTING_SENDS_LINE = "sends a page twice"
+#: ... and in each process whose first Mooncake write it holds
+STALLED_WRITE_LINE = "holds its first write"
 
 
 def stable_topk_problem(figures: Dict, name: str, log_path: Path, min_processes: int) -> Optional[str]:
@@ -135,13 +160,18 @@ def stable_topk_problem(figures: Dict, name: str, log_path: Path, min_processes:
 
 
 def accumulate_runs(work: Path, tag: str, selected, known, run_one: Callable[[str], Dict],
-                    label: str) -> Tuple[Dict[str, Dict], Dict[str, str]]:
+                    label: str, parallel: int = 1) -> Tuple[Dict[str, Dict], Dict[str, str]]:
     """Run each of ``selected`` (``run_one(name)`` -> its record, kept as
     ``work/<name>.<tag>.json``), then read back every run of ``known`` present there (this
     call's and earlier calls'): ``(runs, failed)``. A run that raises is reported in
-    ``failed`` and the next one still starts; an earlier call's record of it is dropped."""
+    ``failed`` and the next one still starts; an earlier call's record of it is dropped.
+
+    ``parallel``: how many runs go at once (threads; ``run_one`` must give each run its own
+    ports). NOTE: only where the runs' servers fit the machine together, e.g. ``--share-gpu``
+    runs on one large GPU; a run's record does not depend on what ran beside it."""
     failed = {}
-    for name in selected:
+
+    def run_and_keep(name):
         path = work / f"{name}.{tag}.json"
         try:
             run = run_one(name)
@@ -149,11 +179,18 @@ def accumulate_runs(work: Path, tag: str, selected, known, run_one: Callable[[st
             failed[name] = f"{type(exc).__name__}: {exc}"
             print(f"[{label}] {name} FAILED: {failed[name]}", flush=True)
             path.unlink(missing_ok=True)  # no stale run of an earlier call
-            continue
+            return
         path.write_text(json.dumps(run))
+
+    if parallel <= 1:
+        for name in selected:
+            run_and_keep(name)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+            list(pool.map(run_and_keep, selected))
     runs = {name: json.loads((work / f"{name}.{tag}.json").read_text())
             for name in known if (work / f"{name}.{tag}.json").exists()}
-    return runs, failed
+    return runs, {name: failed[name] for name in selected if name in failed}
 
 
 def write_report(report: Dict, out) -> int:
@@ -207,5 +244,5 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
           flush=True)
 
 
-__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "start_server", "stop",
+__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "flush_cache", "start_server", "stop",
            "startup_figures", "stable_topk_problem", "CORRUPTING_SENDS_LINE", "accumulate_runs", "write_report"]

@@ -1,0 +1,372 @@
+#!/usr/bin/env python3
+"""End to end inside a real SGLang server: prompt logprobs of an NSA CPN in-seq-split
+prefill server with --enable-nsa-prefill-cp-shared-kv must match the same server
+without it.
+
+Needs N GPUs (``--tp N``, N = 2, 4 or 8), or one GPU with ``--share-gpu`` (all N ranks
+on it: correctness only, ``sglang_cp_shared_kv.testing.shared_gpu``), sglang
+0.5.12.post1 and this plugin installed. It writes a tiny DeepSeek-V3.2 config, then
+launches four servers identical but for the flag and the pool (same parallel layout,
+hence the same dummy weights, made non-degenerate by scripts/e2e/sitecustomize.py):
+
+  off_a        flag off, a pool (BIG_POOL per rank) that holds every prompt: the reference
+  off_b        flag off, POOL per rank: the repeat, and the stock capacity
+  on           flag on, POOL physical per rank (N x POOL logical)
+  on_corrupt   flag on, one history page zeroed on CP rank 1 (negative control)
+
+Each answers the same prefill-only requests (max_new_tokens=1, return_logprob,
+logprob_start_len=0; --chunked-prefill-size 2048, a multiple of 2 x N x 64 for N <= 16,
+so every full chunk is stored where it is computed and every shorter one gathered): a
+1.5K prompt (one short chunk), 3K and 6K prompts (history + current chunks, the last one
+short), a prompt sharing the 3K prompt's first 2,048 tokens (a radix hit; logprobs of its
+new tokens), and ``over_rank_pool``, (2N - 1) / 2 x POOL tokens: more than one rank's
+physical pool (flag off, off_b must refuse it), less than N of them (flag on must serve
+it). The flag-on servers run with SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD=1: they need
+no decode server for this.
+
+Pass (``verdict``, ``capacity_checks``): positions that see <= index_topk keys are
+bit-identical on and off (top-k keeps every key there); beyond, the flag-on run's mean
+deviation from off_a stays within the flag-off runs' own mean deviation (+25 %); on
+prompts with history the negative control lands clearly outside the spread; off_b
+refuses over_rank_pool and on serves it; the startup logs show POOL physical tokens per
+rank and exactly N x POOL logical; every CP rank of the flag-on run stored some forwards
+where they were computed and gathered others (Prometheus write-path counters).
+
+--stable-topk makes the comparison exact: every server runs with SGLang's NSA top-k
+kernels replaced by deterministic stand-ins (``sglang_cp_shared_kv.testing.stable_topk``:
+the same keys, in key order; the stock kernel returns them in the order of its atomics,
+which is what varies past index_topk). Then off_a and off_b must agree bit for bit at
+every position, so must on and off_a, and the negative control must differ somewhere.
+
+--tp 1 runs the flag-off servers only, without CP, on one GPU (off_a, off_b): the
+determinism probe, with and without --stable-topk.
+
+Each run's logprobs and startup figures are kept in --workdir, so the four servers can
+be run in separate invocations (--runs off_a,on then --runs off_b,on_corrupt); the
+report compares whatever runs the workdir holds and passes only when all four are there.
+--parallel K boots K of the selected runs at once (each on its own ports).
+
+Usage: python scripts/e2e_cp_logprobs.py --out e2e.json [--tp 2|4|8|1] [--runs off_a,...]
+                                         [--kv-cache-dtype bfloat16] [--stable-topk]
+                                         [--share-gpu] [--parallel 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import urllib.error
+from pathlib import Path
+
+from sglang_cp_shared_kv.testing import shared_gpu
+from sglang_cp_shared_kv.testing.server import (
+    TINY_DSV32,
+    WRITE_PATHS_METRIC,
+    accumulate_runs,
+    e2e_env,
+    flush_cache,
+    post,
+    prometheus_samples,
+    stable_topk_problem,
+    start_server,
+    startup_figures,
+    stop,
+    write_model,
+    write_report,
+)
+
+INDEX_TOPK = TINY_DSV32["index_topk"]
+CHUNK = 2048  # --chunked-prefill-size
+POOL = 8192  # --max-total-tokens (physical, per rank) of every run but off_a
+BIG_POOL = 65536  # off_a's: it holds every prompt without the flag
+MODEL = {**TINY_DSV32, "max_position_embeddings": BIG_POOL}
+RUNS = {  # name: (flag on, corrupt rank, --max-total-tokens)
+    "off_a": (False, None, BIG_POOL), "off_b": (False, None, POOL),
+    "on": (True, None, POOL), "on_corrupt": (True, 1, POOL),
+}
+RUNS_WITHOUT_CP = ("off_a", "off_b")  # --tp 1: one GPU, no CP, so no flag
+PORTS_PER_RUN = 10  # a run's HTTP port is --port + PORTS_PER_RUN x its place in RUNS; NCCL's + 5
+
+
+#: the radix-hit prompt's prefix: the 3K prompt's first chunk, cached by the prefill before it
+RADIX_PREFIX = CHUNK
+#: NOTE: every chunk of every prompt is a multiple of 2 x 8 tokens (1,504; 2,048 + 960;
+#: 2,048 + 1,008 after the prefix; 2,048 x 2 + 1,920): SGLang's in-seq split then gives every
+#: CP rank the same number of rows up to CP8. With a remainder it does not -- a 1,500-token
+#: prompt leaves CP ranks 0-3 of 8 one row short of the others -- and such a prompt stopped
+#: CP8 servers, flag off as well, with a device-side index assert (one H200, 2026-12-03:
+#: docs/troubleshooting.md). Every chunk shorter than CHUNK still takes the gathered path.
+SPLIT_MULTIPLE = 16
+
+
+def over_rank_pool_tokens(cp_size: int) -> int:
+    """More than one rank's physical pool, less than ``cp_size`` of them: (2N - 1) / 2 x POOL
+    (1.5 x POOL without CP, where only the refusal is checked)."""
+    return max(2 * cp_size - 1, 3) * POOL // 2
+
+
+def prompts(cp_size: int):
+    """{name: (token ids, logprob start)}."""
+    import numpy as np
+
+    def tokens(seed, n):
+        return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
+
+    p3k = tokens(2, 3008)
+    return {  # NOTE: in the order they are posted: the radix hit right after the prompt it shares
+        "1.5k_single_chunk": (tokens(1, 1504), 0),
+        "3k_chunked": (p3k, 0),
+        "radix_hit_3k_prefix": (p3k[:RADIX_PREFIX] + tokens(4, 1008), RADIX_PREFIX),
+        "6k_chunked": (tokens(3, 6016), 0),
+        "over_rank_pool": (tokens(5, over_rank_pool_tokens(cp_size)), 0),
+    }
+
+
+def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path):
+    fraction = shared_gpu.MEM_FRACTION_STATIC if args.share_gpu else 0.5
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.tp), "--page-size", "64",
+           "--mem-fraction-static", str(fraction), "--max-total-tokens", str(pool),
+           "--disable-cuda-graph", "--random-seed", "0", "--port", str(port), "--nccl-port", str(port + 5),
+           "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", str(CHUNK),
+           "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch",
+           # no decode here: the warm-up decodes, and the overlap scheduler launches a decode step
+           # before it sees that a 1-token request is done; a shared-KV prefill rank refuses decode
+           "--skip-server-warmup", "--disable-overlap-schedule"]
+    if args.kv_cache_dtype == "bfloat16" or args.tp > 1:
+        # flag off and on alike (the flag would pick it for fp8 + in-seq-split, stock would crash
+        # on its fp8 default flashmla_kv: docs/troubleshooting.md); without CP fp8 keeps the defaults
+        cmd += ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
+    if args.tp > 1:
+        cmd += ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
+                "--disable-custom-all-reduce"]
+    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
+    if args.share_gpu:
+        cmd += shared_gpu.server_args()
+        env.update(shared_gpu.env())
+    if args.stable_topk:
+        env["CPSKV_E2E_STABLE_TOPK"] = "1"
+    if flag_on:
+        # --enable-metrics: the run reports how its chunks reached the shards (WRITE_PATHS_METRIC)
+        cmd += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
+        env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
+    if corrupt_rank is not None:
+        env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
+    return start_server(name, cmd, env, port, log_path, args.boot_timeout)
+
+
+def logprobs(port, ids, start):
+    """(the prompt's logprobs from ``start`` on, or ``{"refused": <the server's message>}``;
+    the tokens it found in the radix cache)."""
+    try:
+        out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
+                                       "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                   timeout=300)  # NOTE: a 60K-token prefill of ranks sharing a GPU takes tens of seconds
+    except urllib.error.HTTPError as exc:
+        return {"refused": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[-500:]}"}, None
+    meta = out["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    if isinstance(finish, dict) and finish.get("type") == "abort":
+        return {"refused": str(finish.get("message"))}, meta.get("cached_tokens")
+    return [x[0] for x in meta["input_token_logprobs"]], meta.get("cached_tokens")
+
+
+def answered(results, *runs):
+    return all(isinstance(results.get(run), list) for run in runs)
+
+
+def compare(results, run, base, start):
+    """|run - base| over positions that see <= index_topk keys ("near") and beyond ("far"):
+    near max, far max, far mean."""
+    near, far = [], []
+    for i, (a, b) in enumerate(zip(results[run], results[base])):
+        if a is None or b is None:
+            continue
+        keys = start + i  # position of the token whose logprob this is (it sees that many keys)
+        (near if keys <= INDEX_TOPK else far).append(abs(a - b))
+    return {"near_max": max(near, default=0.0), "far_max": max(far, default=0.0),
+            "far_mean": sum(far) / len(far) if far else 0.0}
+
+
+def verdict(entry, has_history, exact):
+    """With the stock top-k, past index_topk every run differs from every other (the
+    kernel returns the keys in a varying order), so "within the spread" compares the mean
+    deviation, which is stable from run to run, with a 25 % margin; a single maximum over
+    ~1K noisy positions is not. With the stable top-k (``exact``) every difference counts.
+    Without a spread (a prompt off_b refuses) there is no repeat to check, and with the
+    stock top-k only the near positions are judged."""
+    spread, on, corrupt = entry.get("spread"), entry.get("on"), entry.get("corrupt")
+    identical = lambda d: d["near_max"] == 0.0 and d["far_max"] == 0.0  # noqa: E731
+    checks = {}
+    if spread is not None:
+        checks["repeat_bit_identical" if exact else "repeat_near_bit_identical"] = (
+            identical(spread) if exact else spread["near_max"] == 0.0)
+    if on is not None:
+        if exact:
+            checks["on_bit_identical"] = identical(on)
+        else:
+            checks["near_bit_identical"] = on["near_max"] == 0.0
+            if spread is not None:
+                checks["far_within_spread"] = on["far_mean"] <= 1.25 * spread["far_mean"]
+    if corrupt is not None and has_history:  # the control corrupts a gathered history page
+        worst = max(corrupt["near_max"], corrupt["far_max"])
+        noise = spread["far_max"] if spread is not None else 0.0
+        checks["control_detected"] = worst > 0.0 if exact else worst > 5 * max(noise, 1e-3)
+    return checks
+
+
+def write_paths_by_rank(samples):
+    """The flag-on run's Prometheus write-path samples (labels cp_rank, index, mla) as
+    {cp rank: {"local": forwards whose index keys were stored where computed, "gathered":
+    the others, "mla_local": forwards whose MLA latent was}}."""
+    ranks = {}
+    for labels, value in samples.items():
+        fields = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.strip("{}").split(","))}
+        counts = ranks.setdefault(int(fields["cp_rank"]), {"local": 0, "gathered": 0, "mla_local": 0})
+        counts["local" if fields["index"] == "local" else "gathered"] += int(value)
+        counts["mla_local"] += int(value) if fields["mla"] == "local" else 0
+    return dict(sorted(ranks.items()))
+
+
+def capacity_checks(runs, cp_size):
+    """The capacity side (module docstring) over the runs present."""
+    checks = {}
+    refused = lambda run: isinstance(runs[run]["logprobs"]["over_rank_pool"], dict)  # noqa: E731
+    if "off_b" in runs:
+        checks["off_b refuses over_rank_pool"] = refused("off_b")
+    if "off_a" in runs:
+        checks["off_a serves over_rank_pool"] = not refused("off_a")
+    if cp_size > 1 and "on" in runs:
+        checks["on serves over_rank_pool"] = not refused("on")
+        shared = runs["on"]["startup"]["shared"]
+        checks[f"on: {POOL} physical tokens per rank, {cp_size} x as many logical"] = (
+            bool(shared) and all(p == POOL and logical == cp_size * p for p, logical in shared))
+        paths = write_paths_by_rank(runs["on"].get("write_paths", {}))
+        checks["on: every CP rank stored some forwards where computed and gathered others"] = (
+            sorted(paths) == list(range(cp_size)) and all(v["local"] > 0 and v["gathered"] > 0 for v in paths.values()))
+    return checks
+
+
+def radix_checks(runs):
+    """The radix-hit prompt found its prefix in every run's cache (else it is one more fresh
+    prompt, and the path a prefix takes goes unchecked)."""
+    return {f"{name}: radix_hit_3k_prefix found its {RADIX_PREFIX} tokens cached":
+            (run.get("cached_tokens", {}).get("radix_hit_3k_prefix") or 0) >= RADIX_PREFIX
+            for name, run in runs.items()}
+
+
+def one_run(name, model, requests, args, log_path):
+    """Boot run ``name``'s server, take every prompt's logprobs, stop it: the run's record."""
+    flag_on, corrupt, pool = RUNS[name]
+    port = args.port + PORTS_PER_RUN * list(RUNS).index(name)
+    t0 = time.monotonic()
+    proc = launch(name, flag_on, corrupt, pool, model, port, args, log_path)
+    run = {"boot_s": round(time.monotonic() - t0, 1), "pool": pool, "logprobs": {}, "cached_tokens": {}}
+    try:
+        for prompt, (ids, start) in requests.items():
+            if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
+                flush_cache(port)
+            run["logprobs"][prompt], run["cached_tokens"][prompt] = logprobs(port, ids, start)
+        if flag_on:
+            run["write_paths"] = prometheus_samples(port, WRITE_PATHS_METRIC)
+    finally:
+        stop(proc)
+    run["startup"] = startup_figures(log_path.read_text())
+    problems = []
+    if args.stable_topk:  # every TP rank must have taken it, else the comparison is not exact
+        problems.append(stable_topk_problem(run["startup"], name, log_path, args.tp))
+    run["stable_topk_problems"] = [p for p in problems if p]
+    if args.share_gpu:
+        run["share_gpu_problems"] = [p for p in [shared_gpu.problem(run["startup"], name, log_path, args.tp)] if p]
+    return run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="e2e_cp_logprobs.json")
+    ap.add_argument("--workdir", default="e2e-work")
+    ap.add_argument("--kv-cache-dtype", default="bfloat16")
+    ap.add_argument("--port", type=int, default=31000)
+    ap.add_argument("--boot-timeout", type=int, default=420)
+    ap.add_argument("--runs", default=None, help="servers to run now (comma-separated; default: all of the layout)")
+    ap.add_argument("--tp", type=int, choices=(1, 2, 4, 8), default=2,
+                    help="N > 1: CPN in-seq-split on N GPUs (default 2); 1: one GPU, no CP, flag-off runs only")
+    ap.add_argument("--stable-topk", action="store_true",
+                    help="deterministic NSA top-k in every server: demand bit equality at every position")
+    ap.add_argument("--share-gpu", action="store_true",
+                    help="every rank of every server on GPU 0 (correctness only: shared_gpu.py)")
+    ap.add_argument("--parallel", type=int, default=1, help="runs booted at once (default 1)")
+    ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
+    args = ap.parse_args()
+    layout_runs = list(RUNS) if args.tp > 1 else list(RUNS_WITHOUT_CP)
+    selected = layout_runs if args.runs is None else [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(selected) - set(layout_runs))
+    if unknown:
+        ap.error(f"runs {unknown} are not part of --tp {args.tp}; choose from {layout_runs}")
+    tag = (f"{args.kv_cache_dtype}.tp{args.tp}" + (".stable-topk" if args.stable_topk else "")
+           + (".share-gpu" if args.share_gpu else ""))
+    work = Path(args.workdir)
+    logdir = Path(args.logdir) if args.logdir else work
+    logdir.mkdir(parents=True, exist_ok=True)
+    model = write_model(work / "tiny-dsv32-64k", MODEL)
+    os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    requests = prompts(args.tp)
+    runs, failed = accumulate_runs(
+        work, tag, selected, layout_runs,
+        lambda name: one_run(name, str(model), requests, args, logdir / f"{name}.{tag}.log"), "e2e",
+        parallel=args.parallel)
+    run_problems = {name: run.get("stable_topk_problems", []) + run.get("share_gpu_problems", [])
+                    for name, run in runs.items()}
+    report = {"kv_cache_dtype": args.kv_cache_dtype, "tp": args.tp, "cp_size": args.tp if args.tp > 1 else 1,
+              "stable_topk": args.stable_topk, "share_gpu": args.share_gpu, "index_topk": INDEX_TOPK,
+              "pool": POOL, "big_pool": BIG_POOL, "chunk": CHUNK,
+              "runs": sorted(runs), "failed_runs": failed,
+              "run_problems": {name: p for name, p in run_problems.items() if p},
+              "timings": {name: {"boot_s": run["boot_s"]} for name, run in runs.items()},
+              "startup": {name: run["startup"] for name, run in runs.items()},
+              # prefill forwards by write path and CP rank (flag-on runs)
+              "write_paths": {name: write_paths_by_rank(run["write_paths"])
+                              for name, run in runs.items() if "write_paths" in run},
+              "refused": {name: {p: r["refused"] for p, r in run["logprobs"].items() if isinstance(r, dict)}
+                          for name, run in runs.items()},
+              "prompts": {}}
+    if args.share_gpu:
+        report["note"] = ("every rank of every server shared one GPU (--share-gpu): a correctness run; "
+                          "its times (boot_s) say nothing about a deployment")
+    complete = set(runs) == set(layout_runs)
+    ok = complete and not any(run_problems.values())
+    for prompt, (ids, start) in requests.items():
+        results = {name: run["logprobs"][prompt] for name, run in runs.items()}
+        entry = {"tokens": len(ids), "positions": len(next((r for r in results.values() if isinstance(r, list)), []))}
+        # off_b refuses over_rank_pool (capacity_checks): there the flag-on runs answer to off_a alone
+        spread_run = "off_b" if answered(results, "off_b") else None
+        for label, run in (("spread", spread_run), ("on", "on"), ("corrupt", "on_corrupt")):
+            if run and answered(results, run, "off_a"):
+                entry[label] = compare(results, run, "off_a", start)
+        if answered(results, "on", "off_b"):
+            entry["on_vs_off_b"] = compare(results, "on", "off_b", start)
+        if complete and prompt == "over_rank_pool" and args.tp == 1:
+            entry["judged_by"] = "capacity_checks"  # nothing to compare: only off_a answers it
+        elif complete:
+            has_history = start > 0 or len(ids) > CHUNK
+            entry["checks"] = verdict(entry, has_history, args.stable_topk)
+            if prompt != "over_rank_pool" and "spread" not in entry:
+                entry["checks"]["repeat answered"] = False
+            if args.tp > 1 and "on" not in entry:
+                entry["checks"]["on answered"] = False
+            entry["pass"] = bool(entry["checks"]) and all(entry["checks"].values())
+            ok &= entry["pass"]
+        report["prompts"][prompt] = entry
+    report["capacity_checks"] = capacity_checks(runs, report["cp_size"])
+    ok &= all(report["capacity_checks"].values())
+    report["cached_tokens"] = {name: run.get("cached_tokens", {}) for name, run in runs.items()}
+    report["radix_checks"] = radix_checks(runs)
+    ok &= all(report["radix_checks"].values())
+    report["pass"] = ok
+    return write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
