@@ -97,7 +97,8 @@ RADIX_PREFIX = CHUNK
 #: CP rank the same number of rows up to CP8. With a remainder it does not -- a 1,500-token
 #: prompt leaves CP ranks 0-3 of 8 one row short of the others -- and such a prompt stopped
 #: CP8 servers, flag off as well, with a device-side index assert (one H200, 2026-12-03:
-#: docs/troubleshooting.md). Every chunk shorter than CHUNK still takes the gathered path.
+#: docs/design.md, scripts/repro_cp_uneven_split.py). Every chunk shorter than CHUNK still
+#: takes the gathered path.
 SPLIT_MULTIPLE = 16
 
 

@@ -221,6 +221,15 @@ def test_logprob_runs_check_capacity_at_every_cp_size():
         assert len(e2e.prompts(n)["over_rank_pool"][0]) == tokens
     assert e2e.over_rank_pool_tokens(4) >= 3 * e2e.POOL and e2e.over_rank_pool_tokens(8) >= 7 * e2e.POOL
     assert e2e.CHUNK % (2 * 8 * 64) == 0  # full chunks are stored where computed up to CP8
+    pd = load_script("e2e_pd_gpu")
+    prompts = [(ids, start) for n in (2, 4, 8) for ids, start in e2e.prompts(n).values()]
+    prompts += [(ids, pd.RADIX_PREFIX if name == "radix_hit" else 0) for name, ids in pd.prompts().items()]
+    prompts += [(ids, 0) for ids in pd.small_decode_prompts().values()]
+    for ids, start in prompts:  # every chunk splits evenly over the CP ranks up to CP8
+        chunks = [min(e2e.CHUNK, len(ids) - at) for at in range(start, len(ids), e2e.CHUNK)]
+        assert all(c % e2e.SPLIT_MULTIPLE == 0 for c in chunks), chunks
+    short = [c for ids, start in prompts for c in [(len(ids) - start) % e2e.CHUNK] if c]
+    assert all(c % (2 * 8 * 64) for c in short)  # ... and every shorter last chunk takes the gathered path at CP8
     for n in (2, 8):
         samples = {}
         for rank in range(n):
