@@ -68,6 +68,7 @@ from sglang_cp_shared_kv.testing.server import (
     e2e_env,
     flush_cache,
     post,
+    prometheus_labels,
     prometheus_samples,
     stable_topk_problem,
     start_server,
@@ -224,7 +225,7 @@ def write_paths_by_rank(samples):
     the others, "mla_local": forwards whose MLA latent was}}."""
     ranks = {}
     for labels, value in samples.items():
-        fields = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.strip("{}").split(","))}
+        fields = prometheus_labels(labels)
         counts = ranks.setdefault(int(fields["cp_rank"]), {"local": 0, "gathered": 0, "mla_local": 0})
         counts["local" if fields["index"] == "local" else "gathered"] += int(value)
         counts["mla_local"] += int(value) if fields["mla"] == "local" else 0

@@ -92,6 +92,7 @@ from sglang_cp_shared_kv.testing.server import (
     e2e_env,
     flush_cache,
     post,
+    prometheus_labels,
     prometheus_samples,
     stable_topk_problem,
     start_server,
@@ -448,7 +449,7 @@ def pages_sent_by_rank(samples):
     """{cp rank: {"kv": pages, "state": pages}} from the PAGES_SENT_METRIC samples."""
     ranks = {}
     for labels, value in samples.items():
-        fields = {k: v.strip('"') for k, v in (part.split("=", 1) for part in labels.strip("{}").split(","))}
+        fields = prometheus_labels(labels)
         ranks.setdefault(int(fields["cp_rank"]), {})[fields["kind"]] = int(value)
     return dict(sorted(ranks.items()))
 

@@ -107,6 +107,11 @@ def prometheus_samples(port: int, name: str) -> Dict[str, float]:
     return samples
 
 
+def prometheus_labels(labels: str) -> Dict[str, str]:
+    """``'{cp_rank="0",kind="kv"}'`` (a key of :func:`prometheus_samples`) as a dict."""
+    return {key: value.strip('"') for key, value in (part.split("=", 1) for part in labels.strip("{}").split(","))}
+
+
 def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_path: Path,
                  boot_timeout: float) -> subprocess.Popen:
     """Start ``cmd`` (logging to ``log_path``) and wait until ``/health`` on ``port``
@@ -244,5 +249,6 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
           flush=True)
 
 
-__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "flush_cache", "start_server", "stop",
-           "startup_figures", "stable_topk_problem", "CORRUPTING_SENDS_LINE", "accumulate_runs", "write_report"]
+__all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "flush_cache", "prometheus_samples",
+           "prometheus_labels", "start_server", "stop", "startup_figures", "stable_topk_problem",
+           "CORRUPTING_SENDS_LINE", "STALLED_WRITE_LINE", "accumulate_runs", "write_report"]
