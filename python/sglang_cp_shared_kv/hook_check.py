@@ -85,6 +85,14 @@ def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
     return problems
 
 
+def _why_hooks_miss() -> str:
+    version = sg.installed_sglang_version()
+    if not sg.is_supported_base(version):
+        return sg.unsupported_base_problem(version)
+    return (f"sglang {version} is a supported release, so another plugin or a patched SGLang replaced "
+            "these targets: load sglang-cp-shared-kv alone (SGLANG_PLUGINS=cp_shared_kv) or drop the flag")
+
+
 def require_hooks_applied(where: str, specs: Optional[Iterable[HookSpec]] = None) -> None:
     """Raise :class:`CpSharedKVHookError` unless every hook is in place."""
     specs = registered_hooks() if specs is None else tuple(specs)
@@ -97,7 +105,6 @@ def require_hooks_applied(where: str, specs: Optional[Iterable[HookSpec]] = None
     if problems:
         raise CpSharedKVHookError(
             f"{FLAG}: {len(problems)} of {len(specs)} plugin hooks are not in place in the {where}, "
-            "so the feature cannot run correctly. This sglang-cp-shared-kv release supports "
-            "sglang==0.5.12.post1; install that version or drop the flag.\n"
+            f"so the feature cannot run correctly; {_why_hooks_miss()}.\n"
             + "\n".join(f"  - {p}" for p in problems)
         )

@@ -1,8 +1,10 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``cp_shared_kv``).
 
-``register`` only registers hooks. :data:`HOOKS` is the one table of every SGLang
-target the plugin hooks (the SGLang symbols it imports are the other table,
-:mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
+``register`` only registers hooks: :data:`HOOKS` on a supported SGLang release
+(``sglang_api.SUPPORTED_SGLANG_VERSIONS``, read from the installed distribution), on any
+other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
+:data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
+symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
 passes straight through to SGLang unless ``--enable-nsa-prefill-cp-shared-kv`` is set.
 With the flag on, startup verifies that every hook below is in place
 (:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start otherwise.
@@ -10,7 +12,10 @@ With the flag on, startup verifies that every hook below is in place
 
 from __future__ import annotations
 
+from typing import Optional, Tuple
+
 from sglang_cp_shared_kv import capacity, decode_server, metrics, server_args
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.forward import hooks as forward
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
 from sglang_cp_shared_kv.transfer import hooks as transfer
@@ -75,5 +80,17 @@ HOOKS = (
 )
 
 
+#: On an SGLang release without a table (``sglang_api.SUPPORTED_SGLANG_VERSIONS``): the
+#: flag alone, which refuses to start, naming the supported releases.
+UNSUPPORTED_BASE_HOOKS = (
+    HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_refusing_flag_to_parser, "after"),
+)
+
+
+def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
+    """The hook table of an installed SGLang release."""
+    return HOOKS if sg.is_supported_base(sglang_version) else UNSUPPORTED_BASE_HOOKS
+
+
 def register() -> None:
-    register_hooks(HOOKS)
+    register_hooks(hooks_for(sg.installed_sglang_version()))

@@ -22,6 +22,7 @@ The attribute survives pickling into the scheduler processes (``ServerArgs`` has
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import logging
 from typing import Any, List, Optional
@@ -80,6 +81,25 @@ def add_flag_to_parser(result, parser, *args, **kwargs):
     """AFTER ``ServerArgs.add_cli_args``: the flag, which never takes a stock option's
     abbreviation (:func:`stock_options_keep_their_abbreviations`)."""
     parser.add_argument(FLAG, dest=FLAG_DEST, action="store_true", help=FLAG_HELP)
+    stock_options_keep_their_abbreviations(parser, FLAG)
+    return result
+
+
+class _RefuseOnUnsupportedBase(argparse.Action):
+    """The flag on an SGLang release without a hook table: naming it stops the parse."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{FLAG}: {sg.unsupported_base_problem(sg.installed_sglang_version())}")
+
+
+def add_refusing_flag_to_parser(result, parser, *args, **kwargs):
+    """AFTER ``ServerArgs.add_cli_args`` on an SGLang release the plugin has no table for
+    (``plugin.hooks_for``): the flag exists, so that naming it says why it cannot run
+    instead of "unrecognized arguments" or -- where SGLang drops unknown options -- a server
+    that starts without it; left out, nothing changes."""
+    parser.add_argument(FLAG, dest=FLAG_DEST, action=_RefuseOnUnsupportedBase, nargs=0, default=False,
+                        help=f"{FLAG_HELP} Not available with the installed SGLang: "
+                             f"{sg.unsupported_base_problem(sg.installed_sglang_version())}.")
     stock_options_keep_their_abbreviations(parser, FLAG)
     return result
 

@@ -21,9 +21,33 @@ targets changed shape, nothing else.
 from __future__ import annotations
 
 import importlib
-from typing import Dict, Tuple
+import importlib.metadata
+from typing import Dict, Optional, Tuple
 
-SGLANG_VERSION = "0.5.12.post1"
+#: The SGLang releases this plugin has a symbol and hook table for. NOTE: 0.5.23 joins when
+#: its port lands (issue 26; docs/design.md, "Porting"); until then the flag refuses to
+#: start on any other release instead of running with hooks that miss their targets.
+SUPPORTED_SGLANG_VERSIONS = ("0.5.12.post1",)
+SGLANG_VERSION = SUPPORTED_SGLANG_VERSIONS[0]
+
+
+def installed_sglang_version() -> Optional[str]:
+    """The version of the installed ``sglang`` distribution (None: not installed)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def is_supported_base(version: Optional[str]) -> bool:
+    return version in SUPPORTED_SGLANG_VERSIONS
+
+
+def unsupported_base_problem(version: Optional[str]) -> str:
+    """What the flag says on an SGLang it has no table for."""
+    supported = ", ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
+    return (f"this sglang-cp-shared-kv release runs on {supported}, and the installed sglang is "
+            f"{version or 'not found'}: install {supported.split(', ')[0]} (scripts/bootstrap.sh), or drop the flag")
 
 #: name -> (module, attribute); attribute None: the module itself.
 SYMBOLS: Dict[str, Tuple[str, str | None]] = {

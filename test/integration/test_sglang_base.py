@@ -1,0 +1,39 @@
+"""Which SGLang release the plugin runs on: the installed one picks the hook table, and on a
+release without one the flag refuses to start, naming the supported releases."""
+
+import argparse
+
+import pytest
+
+from sglang_cp_shared_kv import plugin, server_args
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
+
+
+def test_the_installed_sglang_is_a_supported_base():
+    """The environment the suite runs in (scripts/bootstrap.sh) has a table: every hook."""
+    version = sg.installed_sglang_version()
+    assert sg.is_supported_base(version) and plugin.hooks_for(version) is plugin.HOOKS
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.12", None])
+def test_on_another_release_the_flag_alone_is_registered(version):
+    assert not sg.is_supported_base(version)
+    assert plugin.hooks_for(version) == plugin.UNSUPPORTED_BASE_HOOKS
+    (spec,) = plugin.UNSUPPORTED_BASE_HOOKS
+    assert spec.target.endswith("ServerArgs.add_cli_args") and spec.hook_type == "after"
+
+
+def test_naming_the_flag_on_an_unsupported_release_stops_the_parse_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.23")
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    parser.add_argument("--enable-nsa-prefill-context-parallel", action="store_true")
+    server_args.add_refusing_flag_to_parser(None, parser)
+    assert getattr(parser.parse_args([]), FLAG_DEST) is False  # left out: nothing changes
+    assert parser.parse_args(["--enable-nsa-prefill"]).enable_nsa_prefill_context_parallel  # stock abbreviation
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args([FLAG])
+    assert exc.value.code == 2
+    message = capsys.readouterr().err
+    assert FLAG in message and "sglang==0.5.12.post1" in message and "installed sglang is 0.5.23" in message
+    assert "drop the flag" in message
