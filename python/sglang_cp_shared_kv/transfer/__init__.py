@@ -42,8 +42,8 @@ otherwise, and the decode-side ones act only on a message a shared-KV prefill se
 Pages and descriptors per rank per chunk are logged at debug level and counted
 (:func:`.prefill.transfer_stats`; Prometheus counters with ``--enable-metrics``).
 
-Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``prefill``,
-``decode`` <- ``hooks``; this package module imports nothing):
+Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``rooms`` <-
+``prefill``, ``decode`` <- ``hooks``; this package module imports nothing):
 
 * :mod:`.pages` -- page, run and descriptor arithmetic: the chunk filter, the checks
   before enqueueing, index-state ownership, bounded batches, the batch-size setting
@@ -51,6 +51,8 @@ Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``pre
 * :mod:`.failure_cause` -- the cause message's wire format and the bounded room -> text
   map (pure);
 * :mod:`.stats` -- :class:`.stats.TransferStats` and the Prometheus counters;
+* :mod:`.rooms` -- a room's decode targets read safely, the failed mark, the write-failure
+  hand-off, and the cause and abort messages to decode;
 * :mod:`.prefill` -- the sender state of one prefill manager
   (:class:`.prefill.PrefillShardTransfer`, ``prefill_transfer``, ``transfer_stats``);
 * :mod:`.decode` -- decode keeps the cause and names it in its failure;
