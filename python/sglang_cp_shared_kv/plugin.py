@@ -4,21 +4,27 @@
 (``sglang_api.SUPPORTED_SGLANG_VERSIONS``, read from the installed distribution), on any
 other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
-symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
-passes straight through to SGLang unless ``--enable-nsa-prefill-cp-shared-kv`` is set.
-With the flag on, startup verifies that every hook below is in place
-(:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start otherwise.
+symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
+lives in the module of its concern and passes straight through to SGLang unless
+``--enable-nsa-prefill-cp-shared-kv`` is set. With the flag on, startup verifies that
+every hook below is in place (:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start
+otherwise.
+
+NOTE: the modules holding the hooks subclass SGLang classes when they are imported, which
+on an unsupported release fails (0.5.23 has no ``NSATokenToKVPool``). SGLang imports this
+module in every process, so it imports them only once the release is known to be
+supported (:data:`HOOKS` is built on first use), and the unsupported path needs only :mod:`.server_args`'s
+parser hook, which touches no SGLang symbol.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
-from sglang_cp_shared_kv import capacity, decode_server, metrics, server_args
+from sglang_cp_shared_kv import server_args
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.forward import hooks as forward
 from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
-from sglang_cp_shared_kv.transfer import hooks as transfer
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
@@ -30,54 +36,63 @@ _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 
-HOOKS = (
-    # --- the flag, validation, capacity, metrics
-    HookSpec(f"{_SERVER_ARGS}.__init__", server_args.init_accepting_flag, "around"),
-    HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_flag_to_parser, "after"),
-    HookSpec(f"{_SERVER_ARGS}.from_cli_args", server_args.from_cli_args_with_flag, "around"),
-    HookSpec(f"{_SERVER_ARGS}._set_default_nsa_backends", server_args.nsa_backends_for_in_seq_split, "around"),
-    HookSpec(f"{_SERVER_ARGS}.check_server_args", server_args.validate_after_stock_checks, "after"),
-    HookSpec(f"{_KV_MIXIN}._resolve_memory_pool_config", capacity.split_capacity, "after"),
-    HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),
-    HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
-    HookSpec(f"{_SCHEDULER_METRICS}.install_device_timer_on_runners", metrics.emit_physical_capacity, "after"),
-    # --- forward path: owner-only writes, dense-view reads
-    HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
-    HookSpec(f"{_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),
-    HookSpec(f"{_NSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
-    # local writes: a chunk computed page by page by its pages' owners is stored where it
-    # was computed, and SGLang's all-gathers of its index key and latent are left out
-    HookSpec(f"{_INDEXER}._get_q_k_bf16", forward.index_key_kept_local, "around"),
-    HookSpec(f"{_MLA_ATTENTION}.rebuild_cp_kv_cache", forward.latent_kept_local, "around"),
-    # the in-seq CP all-gather (latent, index key, hidden) re-ordered by one kernel; the
-    # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
-    HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
-             forward.all_gather_in_seq_order, "around"),
-    # --- PD transfer of each rank's shard
-    HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
-    HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
-    # an aborted request: decode told at once (bootstrap/in-flight queues; waiting queue;
-    # aborted before decode registered it: told when it registers)
-    HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
-             "around"),
-    HookSpec("sglang.srt.disaggregation.prefill.release_req_to_metadata_buffer",
-             transfer.fail_unsent_room_on_release, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
-             "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
-             transfer.report_failure_cause_to_decode, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
-    HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
-    # --- the decode server (flag on there too): refuse at once a request it can never hold
-    HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
-    HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,
-             "around"),
-)
+
+@functools.cache
+def _hook_table() -> Tuple[HookSpec, ...]:
+    """The hook table of the supported release (imports the modules that hold the hooks)."""
+    from sglang_cp_shared_kv import capacity, decode_server, metrics
+    from sglang_cp_shared_kv.forward import hooks as forward
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+
+    return (
+        # --- the flag, validation, capacity, metrics
+        HookSpec(f"{_SERVER_ARGS}.__init__", server_args.init_accepting_flag, "around"),
+        HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_flag_to_parser, "after"),
+        HookSpec(f"{_SERVER_ARGS}.from_cli_args", server_args.from_cli_args_with_flag, "around"),
+        HookSpec(f"{_SERVER_ARGS}._set_default_nsa_backends", server_args.nsa_backends_for_in_seq_split, "around"),
+        HookSpec(f"{_SERVER_ARGS}.check_server_args", server_args.validate_after_stock_checks, "after"),
+        HookSpec(f"{_KV_MIXIN}._resolve_memory_pool_config", capacity.split_capacity, "after"),
+        HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),
+        HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
+        HookSpec(f"{_SCHEDULER_METRICS}.install_device_timer_on_runners", metrics.emit_physical_capacity, "after"),
+        # --- forward path: owner-only writes, dense-view reads
+        HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
+        HookSpec(f"{_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),
+        HookSpec(f"{_NSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
+        # local writes: a chunk computed page by page by its pages' owners is stored where it
+        # was computed, and SGLang's all-gathers of its index key and latent are left out
+        HookSpec(f"{_INDEXER}._get_q_k_bf16", forward.index_key_kept_local, "around"),
+        HookSpec(f"{_MLA_ATTENTION}.rebuild_cp_kv_cache", forward.latent_kept_local, "around"),
+        # the in-seq CP all-gather (latent, index key, hidden) re-ordered by one kernel; the
+        # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
+        HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
+                 forward.all_gather_in_seq_order, "around"),
+        # --- PD transfer of each rank's shard
+        HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
+        HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
+        # an aborted request: decode told at once (bootstrap/in-flight queues; waiting queue;
+        # aborted before decode registered it: told when it registers)
+        HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
+                 "around"),
+        HookSpec("sglang.srt.disaggregation.prefill.release_req_to_metadata_buffer",
+                 transfer.fail_unsent_room_on_release, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
+                 transfer.report_failure_cause_to_decode, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
+        # --- the decode server (flag on there too): refuse at once a request it can never hold
+        HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
+        HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,
+                 "around"),
+    )
 
 
 #: On an SGLang release without a table (``sglang_api.SUPPORTED_SGLANG_VERSIONS``): the
@@ -87,9 +102,15 @@ UNSUPPORTED_BASE_HOOKS = (
 )
 
 
+def __getattr__(name: str):
+    if name == "HOOKS":  # built on first use (module docstring), then always the same tuple
+        return _hook_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
     """The hook table of an installed SGLang release."""
-    return HOOKS if sg.is_supported_base(sglang_version) else UNSUPPORTED_BASE_HOOKS
+    return _hook_table() if sg.is_supported_base(sglang_version) else UNSUPPORTED_BASE_HOOKS
 
 
 def register() -> None:

@@ -37,3 +37,36 @@ def test_naming_the_flag_on_an_unsupported_release_stops_the_parse_and_says_why(
     message = capsys.readouterr().err
     assert FLAG in message and "sglang==0.5.12.post1" in message and "installed sglang is 0.5.23" in message
     assert "drop the flag" in message
+
+
+IMPORT_CHECK = """
+import sys
+from sglang_cp_shared_kv import sglang_api as sg
+
+def refuse(name):
+    raise AssertionError(f"resolved SGLang symbol {name} before the release was checked")
+
+sg.resolve = refuse
+from sglang_cp_shared_kv import plugin
+(spec,) = plugin.hooks_for("0.5.23")
+print("OK", spec.target, sorted(m for m in sys.modules if m.startswith("sglang_cp_shared_kv.")))
+"""
+
+
+def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_known():
+    """SGLang imports plugin.py in every process; on 0.5.23 the pool module's class statement
+    (a subclass of 0.5.12's NSATokenToKVPool) would raise and the plugin would not load at all
+    -- the flag then failing as an unknown argument. Found running the entry point on a real
+    0.5.23 install (2026-12-03)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root / "python")}
+    out = subprocess.run([sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("OK sglang.srt.server_args.ServerArgs.add_cli_args")
+    for module in ("pool", "capacity", "allocator", "forward.hooks", "transfer.hooks"):
+        assert f"sglang_cp_shared_kv.{module}'" not in out.stdout
