@@ -619,6 +619,24 @@ def test_an_aborted_request_is_failed_on_decode_at_once(where, caplog):
     assert len(notices.sent) == 1
 
 
+def test_the_prefill_warmup_request_with_its_fake_sender_is_released_untouched():
+    """SGLang's PD prefill warms up with a request to its fake bootstrap host, whose
+    ``FakeKVSender`` (disaggregation/fake/conn.py) carries the real manager but no room; its
+    release must pass through. Found at the first flag-on PD prefill on a GPU (one H200,
+    2026-12-03): the hook read ``sender.bootstrap_room`` and the warmup stopped every CP
+    rank's scheduler ("'FakeKVSender' object has no attribute 'bootstrap_room'")."""
+    from sglang.srt.disaggregation.fake.conn import FakeKVSender
+
+    mgr = make_manager(cp_size=2, cp_rank=1)
+    notices = prefill.prefill_transfer(mgr)._abort_notices = Notices()
+    sender = FakeKVSender(mgr, "fake-bootstrap-host", 0, [0], 0)
+    original = Recorder(result="released")
+    req = SimpleNamespace(disagg_kv_sender=sender, metadata_buffer_index=3)
+    assert transfer.fail_unsent_room_on_release(original, req, "allocator") == "released"
+    assert len(original.calls) == 1 and notices.sent == []
+    assert prefill.transfer_stats(mgr)["aborted_requests"] == 0
+
+
 def test_an_abort_before_decode_registered_is_told_when_it_registers(caplog):
     """SGLang's bootstrap thread sets a room WaitingForInput once decode registered it; a room
     this rank aborted before that is failed on decode then (stock: decode waits for its

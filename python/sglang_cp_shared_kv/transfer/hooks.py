@@ -88,11 +88,12 @@ def fail_unsent_room_on_release(original, req, *args, **kwargs):
     nothing to do)."""
     sender = getattr(req, "disagg_kv_sender", None)
     kv_mgr = getattr(sender, "kv_mgr", None)
-    context = prefill_transfer(kv_mgr) if kv_mgr is not None else None
+    # NOTE: SGLang's warmup request has a FakeKVSender: the real manager, no room, no decode
+    room = getattr(sender, "bootstrap_room", None)
+    context = prefill_transfer(kv_mgr) if kv_mgr is not None and room is not None else None
     if context is not None:
         # record=False: SGLang drops this sender without reading its failure (no failure_exception)
-        context.fail_unsent_room(kv_mgr, sender.bootstrap_room, "the prefill aborted the request before it ran",
-                                 record=False)
+        context.fail_unsent_room(kv_mgr, room, "the prefill aborted the request before it ran", record=False)
     return original(req, *args, **kwargs)
 
 
