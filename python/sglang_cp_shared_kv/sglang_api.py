@@ -47,7 +47,7 @@ def unsupported_base_problem(version: Optional[str]) -> str:
     """What the flag says on an SGLang it has no table for."""
     supported = ", ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
     return (f"this sglang-cp-shared-kv release runs on {supported}, and the installed sglang is "
-            f"{version or 'not found'}: install {supported.split(', ')[0]} (scripts/bootstrap.sh), or drop the flag")
+            f"{version or 'not found'}: install sglang=={SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag")
 
 #: name -> (module, attribute); attribute None: the module itself.
 SYMBOLS: Dict[str, Tuple[str, str | None]] = {

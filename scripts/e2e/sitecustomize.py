@@ -92,7 +92,9 @@ if os.environ.get("CPSKV_E2E") == "1":
             return physical, positions
 
         module.PrefillShardTransfer.owned_pages = duplicated
-        print(f"[cpskv-e2e] CP rank {rank} sends a page twice (pid {os.getpid()})", flush=True)
+        from sglang_cp_shared_kv.testing.server import CORRUPTING_SENDS_LINE
+
+        print(f"[cpskv-e2e] CP rank {rank} {CORRUPTING_SENDS_LINE} (pid {os.getpid()})", flush=True)
 
     if os.environ.get("CPSKV_E2E_CORRUPT_SEND_RANK"):
         _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = lambda m: _duplicating_sends(
@@ -137,9 +139,10 @@ if os.environ.get("CPSKV_E2E") == "1":
 
         def stalling(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
             if self.layout.cp_rank == rank and not stalled:
+                from sglang_cp_shared_kv.testing.server import STALLED_WRITE_LINE
+
                 stalled.append(True)
-                print(f"[cpskv-e2e] CP rank {rank} holds its first write {seconds} s (pid {os.getpid()})",
-                      flush=True)
+                print(f"[cpskv-e2e] CP rank {rank} {STALLED_WRITE_LINE} {seconds} s (pid {os.getpid()})", flush=True)
                 time.sleep(seconds)
             return write(self, original, kv_mgr, mooncake_session_id, transfer_blocks)
 
