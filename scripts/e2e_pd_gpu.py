@@ -6,7 +6,8 @@ what it answers from a stock prefill, bit for bit.
 + NSA prefill CPN in-seq-split on GPUs 0..N-1 (``--mem-fraction-static 0.45``, started
 first), decode TP1 on GPU 0 (``--base-gpu-id 0 --mem-fraction-static 0.85``, started once
 the prefill is up: SGLang refuses the other order as "memory capacity is unbalanced"),
-``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both, Mooncake (TCP where there is no
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both where the flag is on (the flag-off
+runs keep stock SGLang's default, CP rank 0 sending everything: see ``off_all_ranks``), Mooncake (TCP where there is no
 RDMA device); NSA backends: bf16 ``flashmla_sparse`` on both servers; fp8 with CP
 ``flashmla_sparse`` on the prefill (stock SGLang's fp8 default ``flashmla_kv`` fails with
 in-seq-split, docs/troubleshooting.md) and SGLang's default on decode (its
@@ -31,10 +32,18 @@ on" is the deployment of docs/deploy.md: the flag on the prefill and on the deco
   on_small_decode       flag on, decode pool DECODE_POOL                 [N >= 2]
   on_abort    flag on, CP rank 1 holds its first Mooncake write STALL_S seconds; the chunked
               prompt is aborted on the prefill once its last chunk has run     [N >= 2]
+  off_all_ranks  flag off with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1: stock SGLang
+              0.5.12's every-CP-rank transfer, recorded, not judged: it splits a chunk's
+              pages among the ranks by page *id*, so a radix hit's pages (not one run of
+              ids) are partly sent twice and partly by no rank; decode answers from pages
+              that never arrived (``stock_all_cp_ranks`` in the report)           [N >= 2]
 
-Each of the first five posts every prompt to both servers with one bootstrap room:
+Each of off, off_b, off_big, on, on_corrupt and off_all_ranks posts every prompt to both servers
+with one bootstrap room:
 ``short`` (one chunk), ``chunked`` (4 chunks), ``radix_hit`` (the chunked prompt's first
-4,096 tokens from the prefill's radix cache + 1,000 new), ``over_pool`` (1.5 x POOL
+4,096 tokens from the prefill's radix cache + 1,008 new), ``radix_again`` and
+``chunked_again`` (the two prompts once more: what the prefill's cache holds of them, read
+back), ``over_pool`` (1.5 x POOL
 tokens: more than one prefill rank holds), ``over_logical`` (2.5 x POOL: more than N = 2
 ranks hold, refused by the prefill). Decode generates 8 tokens greedily with their logprobs.
 The small-decode runs probe a decode that cannot hold what the prefill admits
@@ -47,8 +56,9 @@ Both servers run SGLang's NSA top-k kernels replaced by the deterministic stand-
 ``sglang_cp_shared_kv.testing.stable_topk`` (``--stock-topk`` keeps the kernels; then
 only positions <= index_topk are exact -- see docs/design.md), so the verdict is exact:
 
-* off_b = off, on = off, and over_pool of on = over_pool of off_big: decode's token ids
-  and logprobs bit-identical (prompts the baseline answered);
+* off_b = off, on = off (short, chunked, radix_hit, radix_again), and over_pool and
+  chunked_again of on = those of off_big: decode's token ids and logprobs bit-identical
+  (prompts the baseline answered);
 * on_corrupt: every prompt's decode answer differs from on's, or fails;
 * on: over_logical, which its prefill refuses at N = 2, fails on decode at once, naming the
   cause (N >= 3: on = off_big, bit for bit); off_big answers it;
@@ -59,9 +69,10 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
 * on_abort: the request aborted mid-transfer (rank 1's write held, every chunk computed)
   fails on decode within AT_ONCE_S of the abort, naming the prefill's abort (stock decode
   would hold it until its waiting timeout);
-* over_pool in off (stock SGLang refuses the prompt on prefill) and off_small_decode are
-  recorded, not judged: stock decode answers the former from KV that never arrived, and
-  leaves decode_window and every request behind it waiting (docs/troubleshooting.md).
+* over_pool in off (stock SGLang refuses the prompt on prefill), off_small_decode and
+  off_all_ranks are recorded, not judged: stock decode answers the first from KV that never
+  arrived, leaves decode_window and every request behind it waiting, and answers a radix hit
+  from pages no CP rank sent with every CP rank sending (docs/troubleshooting.md).
 
 Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
 later call while the machine is warm); the report compares what is there and passes only
@@ -139,6 +150,12 @@ class Run(NamedTuple):
     decode_pool: Optional[int] = None  # decode's --max-total-tokens (None: what its memory fraction gives)
     decode_flag: bool = False
     stall_rank: Optional[int] = None  # the CP rank whose first write scripts/e2e/sitecustomize.py holds
+    all_cp_ranks: bool = False  # SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 with the flag off
+
+    @property
+    def every_cp_rank_sends(self) -> bool:
+        """The flag needs every CP rank to send (on both servers); stock keeps rank 0 sending."""
+        return self.flag_on or self.decode_flag or self.all_cp_ranks
 
     @property
     def small_decode(self) -> bool:
@@ -152,6 +169,7 @@ RUNS = {
     "guarded_small_decode": Run(False, BIG_POOL, decode_pool=DECODE_POOL, decode_flag=True),
     "on_small_decode": Run(True, POOL, decode_pool=DECODE_POOL, decode_flag=True),
     "on_abort": Run(True, POOL, decode_flag=True, stall_rank=1),
+    "off_all_ranks": Run(False, POOL, all_cp_ranks=True),
 }
 #: --cp-size 1: no CP, so no flag on the prefill (the decode server's flag needs none)
 RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small_decode"]
@@ -160,9 +178,13 @@ RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small
 def runs_for(cp_size: int):
     return list(RUNS) if cp_size > 1 else RUNS_WITHOUT_CP
 #: (run, baseline, prompts): decode answers that must be bit-identical
-EXACT = (("off_b", "off", ("short", "chunked", "radix_hit")),
-         ("on", "off", ("short", "chunked", "radix_hit")),
-         ("on", "off_big", ("over_pool",)))
+#: prompts posted right after the one they reuse, without a cache flush in between
+CACHED_PROMPTS = ("radix_hit", "radix_again", "chunked_again")
+#: NOTE: chunked_again against off_big: at POOL tokens stock evicts the chunked prompt's last
+#: pages to fit the radix hit, where the flag's N x POOL logical tokens keep them cached
+EXACT = (("off_b", "off", ("short", "chunked", *CACHED_PROMPTS)),
+         ("on", "off", ("short", "chunked", "radix_hit", "radix_again")),
+         ("on", "off_big", ("over_pool", "chunked_again")))
 SMALL_DECODE_RUNS = ("guarded_small_decode", "on_small_decode")
 
 
@@ -179,6 +201,11 @@ def prompts():
         "short": tokens(1, SHORT_TOKENS),
         "chunked": chunked,
         "radix_hit": chunked[:RADIX_PREFIX] + tokens(3, 1008),
+        # NOTE: the two below re-read from the prefill's cache what the prompts before them
+        # stored: the radix hit's own pages, then every page of the chunked prompt -- a store
+        # that went wrong (or was overwritten later) shows in their first token on prefill
+        "radix_again": chunked[:RADIX_PREFIX] + tokens(3, 1008),
+        "chunked_again": chunked,
         "over_pool": tokens(4, POOL * 3 // 2),
         "over_logical": tokens(5, POOL * 5 // 2),
     }
@@ -250,10 +277,13 @@ def server_commands(args, run: Run, ports):
 def run_env(args, run: Run):
     bootstrap_timeout = SMALL_DECODE_BOOTSTRAP_TIMEOUT_S if run.small_decode else 60
     env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
-                   "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
                    # a refused or lost request fails within a minute instead of 300 s
                    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(bootstrap_timeout)})
+    if run.every_cp_rank_sends:
+        env["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
+    else:  # NOTE: not inherited either: stock's default is what the flag-off runs measure
+        env.pop("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", None)
     if not args.stock_topk:
         env["CPSKV_E2E_STABLE_TOPK"] = "1"
     if run.corrupt_rank is not None:
@@ -475,7 +505,7 @@ def run_servers(name, args, work, room_base):
             run["prompts"] = {"chunked_aborted": probe_abort(ports, room_base, args.cp_size)}
         else:
             for i, (prompt, ids) in enumerate(prompts().items()):
-                if prompt != "radix_hit":  # the radix-hit prompt reuses the chunked prompt's cached prefix
+                if prompt not in CACHED_PROMPTS:  # those reuse what the prompts before them cached
                     flush_cache(ports["prefill"])
                 run["prompts"][prompt] = generate_pd(ports, ids, room_base + i)
         for prompt, entry in run["prompts"].items():
@@ -568,6 +598,11 @@ def main() -> int:
             "decode_status": answer["status"], "first_logprobs": answer.get("logprobs", [])[:2],
             "same_as_reference": same_answer(answer, reference),
             "note": "flag off, prompt over the prefill's input limit: what stock decode answered"}
+    if "off" in runs and "off_all_ranks" in runs:  # stock SGLang's every-CP-rank transfer: recorded
+        report["stock_all_cp_ranks"] = {
+            prompt: same_answer(entry["decode"], runs["off"]["prompts"][prompt]["decode"])
+            for prompt, entry in runs["off_all_ranks"]["prompts"].items()
+            if prompt in ("short", "chunked", *CACHED_PROMPTS)}  # the others: prompts stock refuses
     report["pass"] = set(runs) == set(cp_runs) and bool(checks) and all(checks.values())
     return write_report(report, args.out)
 

@@ -22,6 +22,11 @@ scheduler processes SGLang spawns. It
 * with CPSKV_E2E_STALL_WRITE_RANK=r, prefill CP rank r holds its first Mooncake write for
   CPSKV_E2E_STALL_WRITE_S seconds (default 30): a request aborted meanwhile is aborted
   mid-transfer (scripts/e2e_pd_gpu.py, run ``on_abort``).
+* with CPSKV_E2E_DUMP_PAGES=dir, writes per-page checksums of every PD request (MLA and NSA
+  index rows inside the prompt, every layer) as JSON lines under dir: on each prefill rank
+  when it sends the request's last chunk (the pages that rank holds), on decode when the
+  transfer is committed -- which page decode got wrong, and whether the prefill held it
+  (docs/results/pd_radix_hit_page_checksums_cp2_h200.json).
 """
 
 import functools
@@ -153,6 +158,87 @@ if os.environ.get("CPSKV_E2E") == "1":
             _PATCHES.get("sglang_cp_shared_kv.transfer.prefill"),
             lambda m: _stalling_first_write(m, int(os.environ["CPSKV_E2E_STALL_WRITE_RANK"]),
                                             float(os.environ.get("CPSKV_E2E_STALL_WRITE_S", "30"))))
+
+    def _page_checksums(kv, index, pages, valid):
+        """Position-weighted byte sums of each page's first ``valid`` rows (MLA, index K + scale)."""
+        import torch
+
+        def weighted(data):
+            data = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
+            return int((data * torch.arange(1, data.numel() + 1, device=data.device)).sum())
+
+        page = 64
+        out = []
+        for p, v in zip(pages, valid):
+            buf = index[p]
+            out.append([weighted(kv[p * page: p * page + v]),
+                        weighted(buf[: v * 128]) + weighted(buf[page * 128: page * 128 + v * 4])])
+        return out
+
+    def _dump(record):
+        import json
+
+        path = os.path.join(os.environ["CPSKV_E2E_DUMP_PAGES"], f"{record['side']}-{os.getpid()}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _request_pages(req_to_token, req):
+        seq = len(req.origin_input_ids)
+        locs = req_to_token[req.req_pool_idx, :seq]
+        pages = (locs[::64] // 64).tolist()
+        return seq, pages, [min(64, seq - 64 * i) for i in range(len(pages))]
+
+    def _dumping_prefill_sends(module):
+        send_kv_chunk = module.SchedulerDisaggregationPrefillMixin.send_kv_chunk
+
+        def dumping(self, req, last_chunk=False, end_idx=None):
+            if last_chunk and getattr(req, "bootstrap_room", None):
+                import torch
+
+                seq, pages, valid = _request_pages(self.req_to_token_pool.req_to_token, req)
+                pool = self.token_to_kv_pool_allocator.get_kvcache()
+                positions = list(range(len(pages)))
+                context = getattr(pool, "context", None)
+                if context is not None:
+                    logical = torch.tensor(pages, dtype=torch.int64)
+                    owned = context.layout.owned_pages_mask(logical).tolist()
+                    physical = context.layout.logical_pages_to_physical(logical).tolist()
+                    positions = [i for i in positions if owned[i]]
+                    pages = [physical[i] for i in positions]
+                    valid = [valid[i] for i in positions]
+                for layer in range(pool.layer_num):
+                    _dump({"side": "prefill", "room": req.bootstrap_room, "seq": seq, "layer": layer,
+                           "cp_rank": context.layout.cp_rank if context is not None else None,
+                           "positions": positions,
+                           "sums": _page_checksums(pool.kv_buffer[layer], pool.index_k_with_scale_buffer[layer],
+                                                   pages, valid)})
+            return send_kv_chunk(self, req, last_chunk=last_chunk, end_idx=end_idx)
+
+        module.SchedulerDisaggregationPrefillMixin.send_kv_chunk = dumping
+
+    def _dumping_decode_commits(module):
+        commit = module.DecodeTransferQueue._commit_transfer_to_req
+        dumped = set()
+
+        def dumping(self, decode_req):
+            req = decode_req.req
+            if req.bootstrap_room not in dumped:
+                dumped.add(req.bootstrap_room)
+                seq, pages, valid = _request_pages(self.scheduler.req_to_token_pool.req_to_token, req)
+                pool = self.scheduler.token_to_kv_pool_allocator.get_kvcache()
+                for layer in range(pool.layer_num):
+                    _dump({"side": "decode", "room": req.bootstrap_room, "seq": seq, "layer": layer,
+                           "positions": list(range(len(pages))),
+                           "sums": _page_checksums(pool.kv_buffer[layer], pool.index_k_with_scale_buffer[layer],
+                                                   pages, valid)})
+            return commit(self, decode_req)
+
+        module.DecodeTransferQueue._commit_transfer_to_req = dumping
+
+    if os.environ.get("CPSKV_E2E_DUMP_PAGES"):  # diagnosis: per-page checksums, prefill at send, decode on arrival
+        _PATCHES["sglang.srt.disaggregation.prefill"] = _dumping_prefill_sends
+        _PATCHES["sglang.srt.disaggregation.decode"] = _dumping_decode_commits
 
     class _PatchAfterImport(importlib.abc.MetaPathFinder):
         """Patch a module right after it executes, before anything binds its names."""

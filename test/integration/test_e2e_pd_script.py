@@ -146,7 +146,8 @@ def test_verdict_is_exact_and_needs_the_control_to_show(pd):
     assert checks["on fails over_logical on decode at once"]
     one_gpu = {name: run for name, run in _runs(pd).items() if name in pd.runs_for(1)}
     assert set(pd.verdict(one_gpu, cp_size=1)) == {
-        "off_b=off:short", "off_b=off:chunked", "off_b=off:radix_hit", "off_big answers over_pool",
+        "off_b=off:short", "off_b=off:chunked", *(f"off_b=off:{p}" for p in pd.CACHED_PROMPTS),
+        "off_big answers over_pool",
         "off_big answers over_logical", "guarded_small_decode refuses decode_over at once",
         "guarded_small_decode refuses decode_window at once", "guarded_small_decode answers short_behind",
         "guarded_small_decode:short_behind=off:short",

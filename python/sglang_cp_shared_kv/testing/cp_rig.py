@@ -377,6 +377,24 @@ class Rig:
             self._expect_equal(f"{where} layer {lid}: shard index rows",
                                index_rows(self.shared.physical_index_buffer(lid), physical, PAGE),
                                index_rows(self.replicated.index_k_with_scale_buffer[lid], logical, PAGE))
+        self._compare_whole_shard(where)
+
+    def _compare_whole_shard(self, where):
+        """Every page this rank owns (page 0 reserved), as its shard holds it, against the
+        replicated pool's page: a write that lands outside its chunk -- on a radix prefix,
+        another request's pages -- shows here, not in the chunk's own rows."""
+        physical_pages = self.shared.physical_size // PAGE
+        owned = torch.arange(1, physical_pages, device=self.device)
+        logical = self.layout.physical_pages_to_logical(owned, validate=False)
+        rows = lambda pages: (pages[:, None] * PAGE + torch.arange(PAGE, device=self.device)).reshape(-1)  # noqa: E731
+        for layer in self.layers:
+            lid = layer.layer_id
+            self._expect_equal(f"{where} layer {lid}: whole shard, MLA",
+                               self.shared.physical_kv_buffer(lid)[rows(owned)],
+                               self.replicated.kv_buffer[lid][rows(logical)])
+            self._expect_equal(f"{where} layer {lid}: whole shard, index",
+                               self.shared.physical_index_buffer(lid)[owned],
+                               self.replicated.index_k_with_scale_buffer[lid][logical])
 
     def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
         """The index K/scale the indexer kernels read, at the lengths the CP segments read."""
