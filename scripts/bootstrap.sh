@@ -10,6 +10,13 @@
 #                                  build; the plain mooncake-transfer-engine wheel links CUDA
 #                                  12 and does not load next to it. Never install the
 #                                  non-cuda and the cuda13 engines into one environment.
+#   scripts/bootstrap.sh test-0.5.23   a second environment, .venv-0.5.23: sglang==0.5.23
+#                                  (torch 2.14.1, Python >= 3.11), this plugin (editable, its
+#                                  0.5.12.post1 pins left out), pytest and hypothesis; the
+#                                  port to 0.5.23 is under way: there the flag is validated in
+#                                  0.5.23's terms and refused (docs/design.md), and pytest
+#                                  runs the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS.
+#                                  About 11 GB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -20,7 +27,8 @@ case "$target" in
   "") extras="" ; libs="" ;;
   test) extras="test" ; libs="libibverbs1:libibverbs.so.1" ;;
   gpu) extras="pd" ; libs="libibverbs1:libibverbs.so.1 libmlx5-1:libmlx5.so.1 libnuma1:libnuma.so.1" ;;
-  *) echo "bootstrap: unknown target '$target' (use nothing, test or gpu)" >&2; exit 2 ;;
+  test-0.5.23) extras="" ; libs="" ;;
+  *) echo "bootstrap: unknown target '$target' (use nothing, test, gpu or test-0.5.23)" >&2; exit 2 ;;
 esac
 
 # The Mooncake engines link system libraries even when they only use TCP.
@@ -37,6 +45,20 @@ if [ -n "$missing" ]; then
     echo "bootstrap: missing system libraries:$missing; install them (apt-get install$missing)" >&2
     exit 1
   fi
+fi
+
+if [ "$target" = test-0.5.23 ]; then
+  "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+    || { echo "bootstrap: sglang 0.5.23 needs Python >= 3.11 (PYTHON=python3.11 scripts/bootstrap.sh test-0.5.23)" >&2; exit 1; }
+  venv=.venv-0.5.23
+  [ -x $venv/bin/python ] || "$python" -m venv $venv
+  $venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  # NOTE: the plugin's own requirements pin the serving base (sglang 0.5.12.post1, torch
+  # 2.11): here SGLang comes first and the plugin joins it without its pins
+  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" "kernels>=0.12,<0.13" numpy \
+    "pytest>=8" "hypothesis>=6.100"
+  $venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+  exit 0
 fi
 
 [ -x .venv/bin/python ] || "$python" -m venv .venv

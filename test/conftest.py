@@ -2,3 +2,49 @@
 (``sglang_cp_shared_kv.testing``) are importable as installed packages
 (``scripts/bootstrap.sh test``; on the GPU machine ``scripts/gpu_session.sh`` puts the
 checkout on PYTHONPATH): no ``sys.path`` edits here."""
+
+from pathlib import Path  # noqa: E402
+
+from sglang_cp_shared_kv import sglang_api as sg  # noqa: E402
+
+#: What runs where the installed SGLang is 0.5.23, whose port is under way
+#: (``sglang_api.PORT_IN_PROGRESS_VERSION``; ``scripts/bootstrap.sh test-0.5.23``): the
+#: modules that do not touch an SGLang class, and the port's own tests. NOTE: the rest drive
+#: 0.5.12.post1's classes (NSATokenToKVPool, the in-seq split, ...) and join this list as
+#: their hooks are ported; each run says how many files it left out.
+PORT_IN_PROGRESS_TESTS = frozenset({
+    "test_repository.py",
+    "unit/test_dense_layout.py", "unit/test_kernel_bench_dry_run.py", "unit/test_kernel_fallbacks.py",
+    "unit/test_kernel_references.py", "unit/test_layout.py", "unit/test_nvtx.py",
+    "unit/test_package_structure.py", "unit/test_planner.py", "unit/test_prometheus_registry.py",
+    "unit/test_scoped.py", "unit/test_stable_topk.py", "unit/test_stage_timer.py", "unit/test_transfer_pages.py",
+    "integration/test_sglang_0523_settings.py",
+})
+_HERE = Path(__file__).resolve().parent
+_left_out = []
+
+
+def pytest_ignore_collect(collection_path, config):
+    if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION or collection_path.suffix != ".py":
+        return None
+    name = collection_path.resolve().relative_to(_HERE).as_posix()
+    if not name.startswith("test") and "/test_" not in name:
+        return None  # conftest.py and helpers
+    if name in PORT_IN_PROGRESS_TESTS:
+        return None
+    _left_out.append(name)
+    return True
+
+
+def pytest_report_header(config):
+    version = sg.installed_sglang_version()
+    if version == sg.PORT_IN_PROGRESS_VERSION:
+        return (f"sglang {version} (port under way): only the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS "
+                "are collected")
+    return f"sglang {version}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _left_out:
+        terminalreporter.write_line(f"sglang {sg.PORT_IN_PROGRESS_VERSION}: {len(_left_out)} test files not run "
+                                    "(their hooks are not ported yet): " + ", ".join(sorted(_left_out)))

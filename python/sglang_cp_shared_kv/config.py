@@ -22,6 +22,9 @@ import os
 
 FLAG = "--enable-nsa-prefill-cp-shared-kv"
 FLAG_DEST = "enable_nsa_prefill_cp_shared_kv"
+#: The same flag in SGLang 0.5.23's words (NSA became DSA there, and ``--enable-prefill-cp``
+#: turns prefill CP on): what a 0.5.23 user looks for. Only registered on that release.
+FLAG_ALIAS = "--enable-prefill-cp-shared-kv"
 FLAG_HELP = (
     "Shard the persistent NSA KV cache (MLA latent + indexer K) page-interleaved across the "
     "prefill context-parallel group, so N CP ranks expose N times the KV capacity. Needs "

@@ -26,11 +26,18 @@ class CpSharedKVHookError(RuntimeError):
     """A plugin hook required by ``--enable-nsa-prefill-cp-shared-kv`` is not in place."""
 
 
+#: A wrapper of one of SGLang 0.5.23's named ServerArgs resolution steps
+#: (``arg_groups/resolution_hooks.py``): ``fn(server_args, previous)``, registered with
+#: ``register_resolution_hook(step)``; HookRegistry cannot reach those steps (the pipeline
+#: holds the functions it runs).
+RESOLUTION = "resolution"
+
+
 @dataclass(frozen=True)
 class HookSpec:
-    target: str  # dotted path, as HookRegistry.register takes it
+    target: str  # dotted path, as HookRegistry.register takes it; for RESOLUTION the step's name
     hook: Callable
-    hook_type: str  # "before" | "after" | "around" | "replace" (HookType values)
+    hook_type: str  # "before" | "after" | "around" | "replace" (HookType values), or RESOLUTION
 
 
 _registered: List[HookSpec] = []
@@ -40,7 +47,10 @@ def register_hooks(specs: Iterable[HookSpec]) -> None:
     for spec in specs:
         if spec in _registered:  # a second load_plugins() in one process must not stack hooks
             continue
-        sg.HookRegistry.register(spec.target, spec.hook, sg.HookType(spec.hook_type))
+        if spec.hook_type == RESOLUTION:
+            sg.resolution_hooks.register_resolution_hook(spec.target)(spec.hook)
+        else:
+            sg.HookRegistry.register(spec.target, spec.hook, sg.HookType(spec.hook_type))
         _registered.append(spec)
 
 
@@ -74,6 +84,11 @@ def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
     problems = []
     for spec in registered_hooks() if specs is None else specs:
         name = f"{spec.hook_type.upper()} {spec.target}"
+        if spec.hook_type == RESOLUTION:
+            # NOTE: SGLang exposes no query; its registry is the module's step -> wrappers dict
+            if spec.hook not in getattr(sg.resolution_hooks, "_HOOKS", {}).get(spec.target, ()):
+                problems.append(f"{name}: not registered with SGLang's resolution hooks")
+            continue
         try:
             installed = _installed_attribute(spec.target)
         except (ImportError, AttributeError, ValueError) as exc:
@@ -87,9 +102,9 @@ def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
 
 def _why_hooks_miss() -> str:
     version = sg.installed_sglang_version()
-    if not sg.is_supported_base(version):
+    if sg.table_version(version) is None:
         return sg.unsupported_base_problem(version)
-    return (f"sglang {version} is a supported release, so another plugin or a patched SGLang replaced "
+    return (f"sglang {version} is a release the plugin has hooks for, so another plugin or a patched SGLang replaced "
             "these targets: load sglang-cp-shared-kv alone (SGLANG_PLUGINS=cp_shared_kv) or drop the flag")
 
 

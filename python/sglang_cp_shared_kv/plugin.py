@@ -1,8 +1,10 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``cp_shared_kv``).
 
-``register`` only registers hooks: :data:`HOOKS` on a supported SGLang release
-(``sglang_api.SUPPORTED_SGLANG_VERSIONS``, read from the installed distribution), on any
-other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
+``register`` only registers hooks, the table of the installed SGLang release
+(:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
+the flag serves on (``sglang_api.SGLANG_VERSION``); on 0.5.23, whose port is under way,
+its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused);
+on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
 symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
 lives in the module of its concern and passes straight through to SGLang unless
@@ -24,7 +26,7 @@ from typing import Optional, Tuple
 
 from sglang_cp_shared_kv import server_args
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.hook_check import HookSpec, register_hooks
+from sglang_cp_shared_kv.hook_check import RESOLUTION, HookSpec, register_hooks
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
@@ -95,6 +97,20 @@ def _hook_table() -> Tuple[HookSpec, ...]:
     )
 
 
+@functools.cache
+def _settings_table_0523() -> Tuple[HookSpec, ...]:
+    """SGLang 0.5.23: the settings layer of the port (:mod:`.server_args_dsa`)."""
+    from sglang_cp_shared_kv import server_args_dsa as dsa
+
+    return (
+        HookSpec(f"{_SERVER_ARGS}.add_cli_args", dsa.add_flag_and_alias_to_parser, "after"),
+        HookSpec(f"{_SERVER_ARGS}.from_cli_args", dsa.from_cli_args_carrying_flag, "around"),
+        HookSpec("apply_prefill_cp_cuda_graph_default", dsa.prefill_cuda_graph_off, RESOLUTION),
+        HookSpec("handle_kv_cache_sharding", dsa.refuse_kv_sharding_beside_the_flag, RESOLUTION),
+        HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
+    )
+
+
 #: On an SGLang release without a table (``sglang_api.SUPPORTED_SGLANG_VERSIONS``): the
 #: flag alone, which refuses to start, naming the supported releases.
 UNSUPPORTED_BASE_HOOKS = (
@@ -110,7 +126,9 @@ def __getattr__(name: str):
 
 def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
     """The hook table of an installed SGLang release."""
-    return _hook_table() if sg.is_supported_base(sglang_version) else UNSUPPORTED_BASE_HOOKS
+    tables = {sg.SGLANG_VERSION: _hook_table, sg.PORT_IN_PROGRESS_VERSION: _settings_table_0523}
+    table = tables.get(sg.table_version(sglang_version))
+    return table() if table is not None else UNSUPPORTED_BASE_HOOKS
 
 
 def register() -> None:

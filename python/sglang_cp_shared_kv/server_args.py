@@ -251,7 +251,14 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "this server with --disaggregation-mode prefill and a separate (non-CP) decode server "
                "(with the flag there too: docs/deploy.md).")
     if not testing_without_pd:
-        _pd_problems(server_args, refuse, other="decode")
+        pd_problems(server_args, refuse, other="decode")
+    prefill_feature_problems(server_args, refuse)
+    return problems
+
+
+def prefill_feature_problems(server_args, refuse) -> None:
+    """The features a shared-KV prefill refuses whatever the SGLang release (each names its
+    fix; the option names are the same in 0.5.12.post1 and 0.5.23)."""
     if _env_flag(_STAGING_ENV):
         refuse(f"{_STAGING_ENV}=1", f"the PD staging buffer is not supported with shared KV; unset {_STAGING_ENV}.")
     if server_args.enable_hierarchical_cache:
@@ -279,7 +286,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "it splits a prefill forward into two micro-batches, each with its own attention "
                "metadata, while shared KV builds one dense view per forward; not supported with "
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
-    _ray_problem(server_args, refuse, "every CP rank would run stock, replicated KV while this process "
+    ray_problem(server_args, refuse, "every CP rank would run stock, replicated KV while this process "
                  "reports shared KV on", "prefill")
     if server_args.prefill_only_disable_kv_cache:
         refuse("--prefill-only-disable-kv-cache",
@@ -288,7 +295,6 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         kernels.kernel_package()
     except kernels.KernelPackageMissing as exc:
         refuse("the plugin installation", f"{exc}.")
-    return problems
 
 
 def decode_configuration_problems(server_args, *, hf_config: Any = None) -> List[str]:
@@ -302,12 +308,12 @@ def decode_configuration_problems(server_args, *, hf_config: Any = None) -> List
         problems.append(f"{setting}: {why_and_fix}")
 
     _nsa_model_problem(server_args, hf_config, refuse)
-    _pd_problems(server_args, refuse, other="prefill")
+    pd_problems(server_args, refuse, other="prefill")
     if server_args.enable_hisparse:
         refuse("--enable-hisparse", "HiSparse admits decode requests by its own logical pool, which the "
                "flag's admission bound does not model; not supported with the flag yet. Remove "
                "--enable-hisparse from the decode server.")
-    _ray_problem(server_args, refuse, "a request this decode can never hold would wait at the head of its "
+    ray_problem(server_args, refuse, "a request this decode can never hold would wait at the head of its "
                  "queue while this process reports the guard on", "decode")
     return problems
 
@@ -323,7 +329,7 @@ def _nsa_model_problem(server_args, hf_config, refuse) -> bool:
     return True
 
 
-def _pd_problems(server_args, refuse, *, other: str) -> None:
+def pd_problems(server_args, refuse, *, other: str) -> None:
     """The PD transfer both servers of a deployment need (``other``: the other server's role)."""
     if server_args.disaggregation_transfer_backend != "mooncake":
         refuse(f"--disaggregation-transfer-backend {server_args.disaggregation_transfer_backend}",
@@ -336,7 +342,7 @@ def _pd_problems(server_args, refuse, *, other: str) -> None:
                "waits for a response from every prefill CP rank).")
 
 
-def _ray_problem(server_args, refuse, consequence: str, role: str) -> None:
+def ray_problem(server_args, refuse, consequence: str, role: str) -> None:
     if getattr(server_args, "use_ray", False):
         refuse("--use-ray",
                f"SGLang's Ray scheduler actors do not load plugins (ray/scheduler_actor.py), so "

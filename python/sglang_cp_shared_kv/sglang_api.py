@@ -13,9 +13,11 @@ Each name resolves when it is used (PEP 562 ``__getattr__``), so importing the p
 nothing until a symbol is needed: the plugin loader imports ``plugin.py`` in every SGLang
 process, the tokenizer and the router included.
 
-A port to a newer SGLang (0.5.13+ renames NSA to DSA and ``in-seq-split`` to ``zigzag``;
-see docs/design.md, "Porting") changes this table, the hook table and the hooks whose
-targets changed shape, nothing else.
+There is one table per SGLang release (:data:`SYMBOLS_BY_VERSION`), picked once from the
+installed distribution's version; the hook tables are picked the same way
+(``plugin.hooks_for``). A port to a newer SGLang (0.5.13+ renames NSA to DSA and
+``in-seq-split`` to ``zigzag``; see docs/design.md, "Porting") adds a table here, a hook
+table and the hooks whose targets changed shape, nothing else.
 """
 
 from __future__ import annotations
@@ -24,11 +26,18 @@ import importlib
 import importlib.metadata
 from typing import Dict, Optional, Tuple
 
-#: The SGLang releases this plugin has a symbol and hook table for. NOTE: 0.5.23 joins when
-#: its port lands (issue 26; docs/design.md, "Porting"); until then the flag refuses to
-#: start on any other release instead of running with hooks that miss their targets.
-SUPPORTED_SGLANG_VERSIONS = ("0.5.12.post1",)
-SGLANG_VERSION = SUPPORTED_SGLANG_VERSIONS[0]
+#: The SGLang release the plugin serves on: GPU-verified, every hook, the default install.
+SGLANG_VERSION = "0.5.12.post1"
+#: The release whose port is under way (issue 26; docs/design.md, "The CP strategy on
+#: 0.5.23"): its table holds the settings layer only -- the flag (and its DSA-era alias)
+#: parses, is carried into the scheduler processes and validated in 0.5.23's terms, and then
+#: refuses to start, naming what is not ported yet. NOTE: not a serving base until the pool,
+#: forward and transfer hooks land; until then it never runs with hooks that miss targets.
+PORT_IN_PROGRESS_VERSION = "0.5.23"
+#: Releases the flag serves on.
+SUPPORTED_SGLANG_VERSIONS = (SGLANG_VERSION,)
+#: Releases with a table of their own (the flag is known there, whatever it then does).
+SGLANG_VERSIONS_WITH_TABLES = (SGLANG_VERSION, PORT_IN_PROGRESS_VERSION)
 
 
 def installed_sglang_version() -> Optional[str]:
@@ -43,14 +52,19 @@ def is_supported_base(version: Optional[str]) -> bool:
     return version in SUPPORTED_SGLANG_VERSIONS
 
 
+def table_version(version: Optional[str]) -> Optional[str]:
+    """The release whose tables serve ``version`` (None: it has none)."""
+    return version if version in SGLANG_VERSIONS_WITH_TABLES else None
+
+
 def unsupported_base_problem(version: Optional[str]) -> str:
     """What the flag says on an SGLang it has no table for."""
     supported = ", ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
     return (f"this sglang-cp-shared-kv release runs on {supported}, and the installed sglang is "
             f"{version or 'not found'}: install sglang=={SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag")
 
-#: name -> (module, attribute); attribute None: the module itself.
-SYMBOLS: Dict[str, Tuple[str, str | None]] = {
+#: name -> (module, attribute); attribute None: the module itself. SGLang 0.5.12.post1.
+_SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     # --- KV pool and allocator (subclassed; their module globals rebound while pools are built)
     "NSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool"),
     "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
@@ -81,6 +95,30 @@ SYMBOLS: Dict[str, Tuple[str, str | None]] = {
     "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
+
+#: SGLang 0.5.23: what its settings layer reads (the rest of the port adds its names here).
+_SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
+    # --- configuration (ServerArgs is a msgspec record resolved by named steps)
+    "is_deepseek_dsa": ("sglang.srt.configs.model_config", "is_deepseek_dsa"),
+    "model_config_of": ("sglang.srt.arg_groups.model_override_base", "model_config_of"),
+    "envs": ("sglang.srt.environ", "envs"),
+    "resolved_view": ("sglang.srt.arg_groups.model_override_base", "resolved_view"),
+    "resolving_view": ("sglang.srt.arg_groups.model_override_base", "resolving_view"),
+    "declare_resolution": ("sglang.srt.arg_groups.overrides", "declare_resolution"),
+    "cuda_graph_config": ("sglang.srt.model_executor.cuda_graph_config", None),
+    # --- the plugin framework
+    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
+    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
+    "resolution_hooks": ("sglang.srt.arg_groups.resolution_hooks", None),
+}
+
+#: Each release's table; :data:`SYMBOLS` is the installed release's (0.5.12.post1's where
+#: there is none: the unsupported path resolves no symbol).
+SYMBOLS_BY_VERSION: Dict[str, Dict[str, Tuple[str, str | None]]] = {
+    SGLANG_VERSION: _SYMBOLS_0512,
+    PORT_IN_PROGRESS_VERSION: _SYMBOLS_0523,
+}
+SYMBOLS = SYMBOLS_BY_VERSION[table_version(installed_sglang_version()) or SGLANG_VERSION]
 
 
 def resolve(name: str):

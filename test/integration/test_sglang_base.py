@@ -16,7 +16,7 @@ def test_the_installed_sglang_is_a_supported_base():
     assert sg.is_supported_base(version) and plugin.hooks_for(version) is plugin.HOOKS
 
 
-@pytest.mark.parametrize("version", ["0.5.23", "0.5.12", None])
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.12", "0.5.24", None])
 def test_on_another_release_the_flag_alone_is_registered(version):
     assert not sg.is_supported_base(version)
     assert plugin.hooks_for(version) == plugin.UNSUPPORTED_BASE_HOOKS
@@ -25,7 +25,7 @@ def test_on_another_release_the_flag_alone_is_registered(version):
 
 
 def test_naming_the_flag_on_an_unsupported_release_stops_the_parse_and_says_why(monkeypatch, capsys):
-    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.23")
+    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.22")
     parser = argparse.ArgumentParser(prog="sglang.launch_server")
     parser.add_argument("--enable-nsa-prefill-context-parallel", action="store_true")
     server_args.add_refusing_flag_to_parser(None, parser)
@@ -35,7 +35,7 @@ def test_naming_the_flag_on_an_unsupported_release_stops_the_parse_and_says_why(
         parser.parse_args([FLAG])
     assert exc.value.code == 2
     message = capsys.readouterr().err
-    assert FLAG in message and "sglang==0.5.12.post1" in message and "installed sglang is 0.5.23" in message
+    assert FLAG in message and "sglang==0.5.12.post1" in message and "installed sglang is 0.5.22" in message
     assert "drop the flag" in message
 
 
@@ -48,7 +48,7 @@ def refuse(name):
 
 sg.resolve = refuse
 from sglang_cp_shared_kv import plugin
-(spec,) = plugin.hooks_for("0.5.23")
+(spec,) = plugin.hooks_for("0.5.22")
 print("OK", spec.target, sorted(m for m in sys.modules if m.startswith("sglang_cp_shared_kv.")))
 """
 
@@ -70,3 +70,22 @@ def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_k
     assert out.stdout.startswith("OK sglang.srt.server_args.ServerArgs.add_cli_args")
     for module in ("pool", "capacity", "allocator", "forward.hooks", "transfer.hooks"):
         assert f"sglang_cp_shared_kv.{module}'" not in out.stdout
+
+
+def test_on_0523_the_table_is_the_settings_layer_of_the_port():
+    """0.5.23's port is under way: the flag parses (under its DSA-era alias too), rides into
+    the scheduler processes, is validated in 0.5.23's terms and then refused
+    (test_sglang_0523_settings.py runs it against 0.5.23's real classes)."""
+    from sglang_cp_shared_kv import server_args_dsa
+    from sglang_cp_shared_kv.hook_check import RESOLUTION
+
+    table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
+    assert not sg.is_supported_base(sg.PORT_IN_PROGRESS_VERSION)
+    assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__}
+    assert {(spec.target, spec.hook_type) for spec in table} == {
+        ("sglang.srt.server_args.ServerArgs.add_cli_args", "after"),
+        ("sglang.srt.server_args.ServerArgs.from_cli_args", "around"),
+        ("sglang.srt.server_args.ServerArgs.check_server_args", "after"),
+        ("apply_prefill_cp_cuda_graph_default", RESOLUTION),
+        ("handle_kv_cache_sharding", RESOLUTION)}
+    assert sg.SYMBOLS_BY_VERSION[sg.PORT_IN_PROGRESS_VERSION] is not sg.SYMBOLS  # 0.5.12.post1's here

@@ -1,0 +1,179 @@
+"""The flag on SGLang 0.5.23: its settings layer (issue 26, the port under way).
+
+0.5.23 renamed NSA to DSA (``--dsa-prefill-backend``), turns prefill CP on with
+``--enable-prefill-cp --cp-strategy interleave|zigzag``, and its ``ServerArgs`` is a
+msgspec record: ``__init__`` is msgspec's (a hook on it is applied and never runs; an
+unknown keyword is a ``TypeError``) and its values are resolved by named steps
+(``arg_groups/pipeline.py``) that plugins wrap with ``register_resolution_hook``. Five
+hooks (``plugin.hooks_for("0.5.23")``):
+
+* ``ServerArgs.add_cli_args`` AFTER: the flag under both names, ``FLAG`` and the DSA-era
+  :data:`~.config.FLAG_ALIAS`;
+* ``ServerArgs.from_cli_args`` AROUND: 0.5.23 builds the record from its fields only, so
+  the flag rides on it as a non-field attribute (``ServerArgs.__reduce__`` keeps
+  ``__dict__``: the scheduler processes see it). ``sglang.Engine(...)`` cannot take it as
+  a keyword on 0.5.23 (msgspec refuses unknown ones): launch the server from the CLI;
+* resolution step ``apply_prefill_cp_cuda_graph_default``: 0.5.23 turns the breakable
+  prefill CUDA graph on for interleave DSA CP; the plugin's per-layer collectives and
+  page-table translation run outside a graph, so with the flag the graph is declared
+  off, with one WARNING -- a graph the user chose explicitly is refused instead;
+* resolution step ``handle_kv_cache_sharding``: ``--enable-kv-cache-sharding`` beside the
+  flag is refused there, naming both (SGLang's step would refuse most such configurations
+  in its own terms, or accept one and shard twice);
+* ``ServerArgs.check_server_args`` AFTER (main process, after resolution): every
+  problem, in 0.5.23's option names, then the one that stands whatever the settings:
+  the pool, forward and transfer hooks are not ported yet, so the flag stops startup
+  and names the release that serves (docs/design.md, "The CP strategy on 0.5.23").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List
+
+import torch
+
+from sglang_cp_shared_kv import hook_check
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.config import FLAG, FLAG_ALIAS, FLAG_DEST, FLAG_HELP, guards_decode, is_enabled
+from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv.server_args import (
+    CpSharedKVConfigError,
+    pd_problems,
+    prefill_feature_problems,
+    ray_problem,
+    stock_options_keep_their_abbreviations,
+)
+
+logger = logging.getLogger(__name__)
+
+#: The CP strategy the port shards under (docs/design.md: 0.5.23's zigzag has no DSA
+#: index-key gather and returns no latent, so DSA prefill CP there means interleave).
+CP_STRATEGY = "interleave"
+#: DSA prefill backends whose KV reads go through the pool and the backend's page tables
+#: (trtllm keeps its own fp8 layout and gathers it itself: ``all_gather_dsa_trtllm_fp8_kv``).
+SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "fa3", "tilelang")
+NOT_PORTED = (
+    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings, but its "
+    "shared-KV pool, forward and PD transfer hooks are not ported to this SGLang yet; serve with "
+    f"sglang=={sg.SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag (docs/design.md, "
+    f"'The CP strategy on {sg.PORT_IN_PROGRESS_VERSION}').")
+
+
+# ----------------------------------------------------------------------------- hooks
+def add_flag_and_alias_to_parser(result, parser, *args, **kwargs):
+    """AFTER ``ServerArgs.add_cli_args``: one option, two spellings."""
+    parser.add_argument(FLAG, FLAG_ALIAS, dest=FLAG_DEST, action="store_true",
+                        help=f"{FLAG_HELP} On SGLang {sg.PORT_IN_PROGRESS_VERSION}: "
+                             "--enable-prefill-cp --cp-strategy interleave.")
+    stock_options_keep_their_abbreviations(parser, FLAG)
+    stock_options_keep_their_abbreviations(parser, FLAG_ALIAS)
+    return result
+
+
+def from_cli_args_carrying_flag(original, cls, args, *rest, **kwargs):
+    """AROUND ``ServerArgs.from_cli_args``: the record keeps its fields only."""
+    server_args = original(cls, args, *rest, **kwargs)
+    setattr(server_args, FLAG_DEST, bool(getattr(args, FLAG_DEST, False)))
+    return server_args
+
+
+def prefill_cuda_graph_off(server_args, previous):
+    """Resolution step ``apply_prefill_cp_cuda_graph_default``, wrapped."""
+    previous(server_args)
+    if not is_enabled(server_args) or guards_decode(server_args):
+        return
+    graphs = sg.cuda_graph_config
+    config = sg.resolving_view(server_args).cuda_graph_config
+    if config.prefill.backend == graphs.Backend.DISABLED or _prefill_graph_chosen(server_args):
+        return  # nothing to turn off, or the user's choice: validation refuses it
+    logger.warning("%s: prefill CUDA graph %r turned off: shared KV's per-layer collectives and page-table "
+                   "translation run outside a graph (set --disable-prefill-cuda-graph to silence this).",
+                   FLAG, config.prefill.backend)
+    sg.declare_resolution(server_args, "cp_shared_kv.prefill_cuda_graph_off",
+                          cuda_graph_config=graphs.with_phase(config, graphs.Phase.PREFILL,
+                                                              backend=graphs.Backend.DISABLED))
+
+
+KV_SHARDING_CONFLICT = ("--enable-kv-cache-sharding: SGLang's own KV sharding and this plugin's shard the same "
+                        "cache two ways; use one: drop --enable-kv-cache-sharding (it needs trtllm, fp8 and "
+                        "Blackwell) or the flag.")
+
+
+def refuse_kv_sharding_beside_the_flag(server_args, previous):
+    """Resolution step ``handle_kv_cache_sharding``, wrapped: both asked for, ours says so
+    (before SGLang's step refuses the configuration in its own terms, or accepts it)."""
+    if is_enabled(server_args) and sg.resolving_view(server_args).enable_kv_cache_sharding:
+        raise CpSharedKVConfigError(f"{FLAG} cannot start with this configuration:\n  - {KV_SHARDING_CONFLICT}")
+    previous(server_args)
+
+
+def validate_after_stock_checks(result, server_args, *args, **kwargs):
+    """AFTER ``ServerArgs.check_server_args`` (main process, after resolution)."""
+    if is_enabled(server_args):
+        hook_check.require_hooks_applied("main process")
+        raise CpSharedKVConfigError(f"{FLAG} cannot start with this configuration:\n"
+                                    + "\n".join(f"  - {p}" for p in configuration_problems(server_args)))
+    return result
+
+
+# ------------------------------------------------------------------------ validation
+def _prefill_graph_chosen(server_args) -> bool:
+    graphs = sg.cuda_graph_config
+    return (graphs.Phase.PREFILL, "backend") in (getattr(server_args, "_cuda_graph_config_locked", None) or ())
+
+
+def configuration_problems(server_args) -> List[str]:
+    """Every reason ``server_args`` (resolved) cannot run with the flag, each naming the
+    setting and the fix in 0.5.23's option names; the last is :data:`NOT_PORTED`."""
+    cfg = sg.resolved_view(server_args)
+    problems: List[str] = []
+
+    def refuse(setting: str, why_and_fix: str) -> None:
+        problems.append(f"{setting}: {why_and_fix}")
+
+    hf_config = sg.model_config_of(server_args).hf_config
+    if not sg.is_deepseek_dsa(hf_config):
+        architectures = getattr(hf_config, "architectures", None) or ["?"]
+        refuse(f"--model-path {cfg.model_path} ({architectures[0]})",
+               "shared KV shards the DSA indexer and MLA caches of DeepSeek-V3.2 / GLM-5 style models; "
+               "this model is not DSA. Drop the flag for this model.")
+    pd_problems(cfg, refuse, other="prefill" if guards_decode(server_args) else "decode")
+    if guards_decode(server_args):
+        ray_problem(cfg, refuse, "a request this decode can never hold would wait at the head of its queue "
+                    "while this process reports the guard on", "decode")
+        return problems + [NOT_PORTED]
+    if cfg.device != "cuda" or getattr(torch.version, "hip", None):
+        refuse(f"--device {cfg.device}", "shared KV runs on CUDA GPUs only; run the prefill server on NVIDIA "
+               "GPUs or drop the flag.")
+    if not cfg.enable_prefill_cp:
+        refuse("--enable-prefill-cp is off", "shared KV shards the KV across the prefill CP group; add "
+               f"--enable-prefill-cp --cp-strategy {CP_STRATEGY}.")
+    elif cfg.cp_strategy != CP_STRATEGY:
+        refuse(f"--cp-strategy {cfg.cp_strategy}",
+               f"in SGLang {sg.PORT_IN_PROGRESS_VERSION} DSA prefill CP is the interleave strategy (zigzag has no "
+               f"DSA index-key gather there); set --cp-strategy {CP_STRATEGY}.")
+    elif (cfg.attn_cp_size or 1) <= 1:
+        refuse(f"attention CP size {cfg.attn_cp_size}", "there is nothing to shard with one CP rank; use "
+               "--tp-size 2 or more with --enable-prefill-cp.")
+    if cfg.page_size != PAGE_SIZE:
+        refuse(f"--page-size {cfg.page_size}", f"the layout and the DSA index buffer use {PAGE_SIZE}-token "
+               f"pages; set --page-size {PAGE_SIZE}.")
+    if cfg.dsa_prefill_backend is not None and cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
+        refuse(f"--dsa-prefill-backend {cfg.dsa_prefill_backend}",
+               f"its KV reads bypass the pool's page tables; use one of {', '.join(SUPPORTED_DSA_PREFILL_BACKENDS)}.")
+    if cfg.enable_kv_cache_sharding:  # NOTE: refused in resolution already; kept for a record checked again
+        problems.append(KV_SHARDING_CONFLICT)
+    if cfg.enable_dsa_cache_layer_split:
+        refuse("--enable-dsa-cache-layer-split", "it splits whole layers across the CP ranks, the plugin splits "
+               "pages; remove --enable-dsa-cache-layer-split.")
+    if _prefill_graph_chosen(server_args) and cfg.cuda_graph_config.prefill.backend != "disabled":
+        refuse(f"--cuda-graph-backend-prefill {cfg.cuda_graph_config.prefill.backend}",
+               "shared KV's per-layer collectives and page-table translation run outside a graph; add "
+               "--disable-prefill-cuda-graph.")
+    if cfg.disaggregation_mode != "prefill":
+        refuse(f"--disaggregation-mode {cfg.disaggregation_mode}",
+               "each CP rank holds only its stripe of the KV; run this server with --disaggregation-mode "
+               "prefill and a separate (non-CP) decode server with the flag.")
+    prefill_feature_problems(cfg, refuse)
+    return problems + [NOT_PORTED]

@@ -1,0 +1,135 @@
+"""The flag on SGLang 0.5.23: the settings layer of the port, against 0.5.23's real
+``ServerArgs`` (a msgspec record), its CLI parser and its resolution pipeline
+(``server_args_dsa``). Runs only where sglang 0.5.23 is installed
+(``scripts/bootstrap.sh test-0.5.23``; ``.ci/run`` runs it).
+
+A CPU machine cannot run 0.5.23's whole resolution: its model step asks the GPU for its
+compute capability. The fixture answers "Hopper" there and nowhere else.
+"""
+
+import pickle
+
+import pytest
+
+from sglang_cp_shared_kv import sglang_api as sg
+
+if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
+    pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
+
+from sglang_cp_shared_kv import plugin, server_args_dsa  # noqa: E402
+from sglang_cp_shared_kv.config import FLAG, FLAG_ALIAS, FLAG_DEST  # noqa: E402
+from sglang_cp_shared_kv.hook_check import missing_hooks  # noqa: E402
+from sglang_cp_shared_kv.server_args import CpSharedKVConfigError  # noqa: E402
+from sglang_cp_shared_kv.testing.support import TINY_DSV32  # noqa: E402
+
+GLM5_ARCH = "GlmMoeDsaForCausalLM"
+
+
+@pytest.fixture
+def hopper(monkeypatch, plugin_loaded):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+
+
+def _args(model, *extra, flag=FLAG):
+    from sglang.srt.server_args import prepare_server_args
+
+    base = ["--model-path", model, "--load-format", "dummy", "--skip-tokenizer-init", "--device", "cuda",
+            "--tp", "2", "--enable-prefill-cp", "--cp-strategy", "interleave", "--page-size", "64",
+            "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "mooncake"]
+    return prepare_server_args(base + ([flag] if flag else []) + list(extra))
+
+
+def _problems(server_args):
+    server_args.resolve_once()
+    with pytest.raises(CpSharedKVConfigError) as exc:
+        server_args.check_server_args()
+    return str(exc.value)
+
+
+def test_the_table_is_the_settings_layer_and_every_hook_is_in_place(plugin_loaded):
+    table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
+    assert set(table) <= set(plugin_loaded) and len(table) == 5
+    assert missing_hooks(table) == []
+
+
+@pytest.mark.parametrize("spelling", [FLAG, FLAG_ALIAS])
+def test_both_spellings_reach_the_scheduler_processes(hopper, tiny_nsa_model, spelling):
+    server_args = _args(tiny_nsa_model, flag=spelling)
+    assert getattr(server_args, FLAG_DEST) is True
+    assert getattr(pickle.loads(pickle.dumps(server_args)), FLAG_DEST) is True  # how SGLang spawns them
+    assert getattr(_args(tiny_nsa_model, flag=None), FLAG_DEST) is False
+
+
+def test_a_valid_configuration_stops_naming_what_is_not_ported(hopper, tiny_nsa_model):
+    message = _problems(_args(tiny_nsa_model))
+    assert message.count("\n  - ") == 1 and server_args_dsa.NOT_PORTED in message
+    assert f"sglang=={sg.SGLANG_VERSION}" in message
+
+
+def test_flag_off_resolves_and_checks_as_stock(hopper, tiny_nsa_model):
+    server_args = _args(tiny_nsa_model, flag=None)
+    server_args.resolve_once()
+    server_args.check_server_args()
+
+
+def test_sglangs_own_sharding_beside_the_flag_is_refused_naming_both(hopper, tiny_nsa_model):
+    with pytest.raises(CpSharedKVConfigError, match="--enable-kv-cache-sharding: SGLang's own KV sharding"):
+        _args(tiny_nsa_model, "--enable-kv-cache-sharding").resolve_once()
+    with pytest.raises(ValueError) as stock:  # the flag off: SGLang's own verdict, untouched
+        _args(tiny_nsa_model, "--enable-kv-cache-sharding", flag=None).resolve_once()
+    assert not isinstance(stock.value, CpSharedKVConfigError)
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--dsa-prefill-backend", "trtllm"], "--dsa-prefill-backend trtllm"),
+    (["--enable-dsa-cache-layer-split"], "--enable-dsa-cache-layer-split"),
+    (["--disaggregation-transfer-backend", "nixl"], "--disaggregation-transfer-backend nixl"),
+])
+def test_each_unsupported_setting_is_named_with_its_fix(hopper, tiny_nsa_model, extra, named):
+    message = _problems(_args(tiny_nsa_model, *extra))
+    assert named in message and server_args_dsa.NOT_PORTED in message
+
+
+def test_every_cp_rank_sending_is_required(hopper, tiny_nsa_model, monkeypatch):
+    monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")
+    assert "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is not set" in _problems(_args(tiny_nsa_model))
+
+
+def test_glm5_zigzag_which_sglang_lets_through_is_refused(hopper, tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_DSV32, "architectures": [GLM5_ARCH]}))
+    server_args = _args(str(tmp_path), "--cp-strategy", "zigzag")
+    server_args.resolve_once()
+    if not sg.is_deepseek_dsa(sg.model_config_of(server_args).hf_config):
+        pytest.skip(f"sglang {sg.PORT_IN_PROGRESS_VERSION} does not treat {GLM5_ARCH} as DSA here")
+    with pytest.raises(CpSharedKVConfigError, match="--cp-strategy zigzag"):
+        server_args.check_server_args()
+
+
+@pytest.fixture
+def breakable_by_default(monkeypatch):
+    """What 0.5.23 decides on a CUDA machine for interleave DSA CP: the breakable prefill graph."""
+    import sglang.srt.layers.cp.bcg as bcg
+
+    monkeypatch.setattr(bcg, "supports_prefill_cp_bcg", lambda *a, **k: True)
+
+
+def test_the_prefill_cuda_graph_is_turned_off_with_a_warning(hopper, breakable_by_default, tiny_nsa_model, capfd):
+    stock = _args(tiny_nsa_model, flag=None)
+    stock.resolve_once()
+    assert sg.resolved_view(stock).cuda_graph_config.prefill.backend == "breakable"  # the flag off: stock's
+    capfd.readouterr()
+    ours = _args(tiny_nsa_model)
+    ours.resolve_once()
+    assert sg.resolved_view(ours).cuda_graph_config.prefill.backend == "disabled"
+    # NOTE: read from stderr: SGLang's resolution reconfigures logging (caplog's handler is gone)
+    assert f"{FLAG}: prefill CUDA graph 'breakable' turned off" in capfd.readouterr().err
+
+
+def test_a_prefill_cuda_graph_the_user_chose_is_refused(hopper, breakable_by_default, tiny_nsa_model):
+    message = _problems(_args(tiny_nsa_model, "--cuda-graph-backend-prefill", "breakable"))
+    assert "--cuda-graph-backend-prefill breakable" in message and "--disable-prefill-cuda-graph" in message
