@@ -38,6 +38,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, FLAG_ALIAS, FLAG_DEST, FLAG_HELP, guards_decode, is_enabled
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.server_args import (
+    SUPPORTED_NSA_PREFILL_BACKENDS,
     CpSharedKVConfigError,
     pd_problems,
     prefill_feature_problems,
@@ -50,9 +51,9 @@ logger = logging.getLogger(__name__)
 #: The CP strategy the port shards under (docs/design.md: 0.5.23's zigzag has no DSA
 #: index-key gather and returns no latent, so DSA prefill CP there means interleave).
 CP_STRATEGY = "interleave"
-#: DSA prefill backends whose KV reads go through the pool and the backend's page tables
-#: (trtllm keeps its own fp8 layout and gathers it itself: ``all_gather_dsa_trtllm_fp8_kv``).
-SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "fa3", "tilelang")
+#: The same prefill backends under their DSA-era option (trtllm keeps its own fp8 layout
+#: and gathers it itself there too: ``all_gather_dsa_trtllm_fp8_kv``).
+SUPPORTED_DSA_PREFILL_BACKENDS = SUPPORTED_NSA_PREFILL_BACKENDS
 NOT_PORTED = (
     f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings, but its "
     "shared-KV pool, forward and PD transfer hooks are not ported to this SGLang yet; serve with "
