@@ -54,9 +54,9 @@ if [ "$target" = test-0.5.23 ]; then
   [ -x $venv/bin/python ] || "$python" -m venv $venv
   $venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   # NOTE: the plugin's own requirements pin the serving base (sglang 0.5.12.post1, torch
-  # 2.11): here SGLang comes first and the plugin joins it without its pins
-  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" "kernels>=0.12,<0.13" numpy \
-    "pytest>=8" "hypothesis>=6.100"
+  # 2.11, kernels 0.12): here SGLang comes first, with its own pins (torch 2.14.1, kernels
+  # 0.14), and the plugin joins it without its pins
+  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" numpy "pytest>=8" "hypothesis>=6.100"
   $venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   exit 0
 fi
