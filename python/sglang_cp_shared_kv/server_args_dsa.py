@@ -60,6 +60,10 @@ NOT_PORTED = (
     f"sglang=={sg.SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag (docs/design.md, "
     f"'The CP strategy on {sg.PORT_IN_PROGRESS_VERSION}').")
 
+KV_SHARDING_CONFLICT = ("--enable-kv-cache-sharding: SGLang's own KV sharding and this plugin's shard the same "
+                        "cache two ways; use one: drop --enable-kv-cache-sharding (it needs trtllm, fp8 and "
+                        "Blackwell) or the flag.")
+
 
 # ----------------------------------------------------------------------------- hooks
 def add_flag_and_alias_to_parser(result, parser, *args, **kwargs):
@@ -94,11 +98,6 @@ def prefill_cuda_graph_off(server_args, previous):
     sg.declare_resolution(server_args, "cp_shared_kv.prefill_cuda_graph_off",
                           cuda_graph_config=graphs.with_phase(config, graphs.Phase.PREFILL,
                                                               backend=graphs.Backend.DISABLED))
-
-
-KV_SHARDING_CONFLICT = ("--enable-kv-cache-sharding: SGLang's own KV sharding and this plugin's shard the same "
-                        "cache two ways; use one: drop --enable-kv-cache-sharding (it needs trtllm, fp8 and "
-                        "Blackwell) or the flag.")
 
 
 def refuse_kv_sharding_beside_the_flag(server_args, previous):
