@@ -86,6 +86,19 @@ def test_share_gpu_servers_fix_every_pool_and_take_their_own_ports(pd, plugin_lo
         assert ("CPSKV_E2E_STALL_WRITE_RANK" in env) == (name == "on_abort")
 
 
+def test_only_runs_with_the_flag_or_off_all_ranks_have_every_cp_rank_send(pd, monkeypatch):
+    """The flag-off baseline is stock's default transfer (CP rank 0 sends every page), even
+    where the caller's environment sets the variable: stock's every-rank split loses a
+    radix hit's pages (docs/transfer.md, SGLang limitation 5), which made the first real PD
+    run compare the flag against a wrong reference."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    args = _args(2, share_gpu=True)
+    every_rank = {name for name, run in pd.RUNS.items()
+                  if pd.run_env(args, run).get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") == "1"}
+    assert every_rank == {name for name, run in pd.RUNS.items() if run.flag_on or run.decode_flag} | {"off_all_ranks"}
+    assert {"off", "off_b", "off_big", "off_small_decode"}.isdisjoint(every_rank)
+
+
 def test_the_over_pool_prompt_exceeds_one_rank_and_fits_two(pd):
     prompts = pd.prompts()
     assert pd.POOL < len(prompts["over_pool"]) < 2 * pd.POOL <= pd.BIG_POOL
