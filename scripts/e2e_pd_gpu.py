@@ -182,7 +182,9 @@ def runs_for(cp_size: int):
 CACHED_PROMPTS = ("radix_hit", "radix_again", "chunked_again")
 #: NOTE: chunked_again against off_big: at POOL tokens stock evicts the chunked prompt's last
 #: pages to fit the radix hit, where the flag's N x POOL logical tokens keep them cached
-EXACT = (("off_b", "off", ("short", "chunked", *CACHED_PROMPTS)),
+#: the prompts stock SGLang answers at POOL tokens (it refuses over_pool and over_logical)
+STOCK_ANSWERED = ("short", "chunked", *CACHED_PROMPTS)
+EXACT = (("off_b", "off", STOCK_ANSWERED),
          ("on", "off", ("short", "chunked", "radix_hit", "radix_again")),
          ("on", "off_big", ("over_pool", "chunked_again")))
 SMALL_DECODE_RUNS = ("guarded_small_decode", "on_small_decode")
@@ -601,8 +603,7 @@ def main() -> int:
     if "off" in runs and "off_all_ranks" in runs:  # stock SGLang's every-CP-rank transfer: recorded
         report["stock_all_cp_ranks"] = {
             prompt: same_answer(entry["decode"], runs["off"]["prompts"][prompt]["decode"])
-            for prompt, entry in runs["off_all_ranks"]["prompts"].items()
-            if prompt in ("short", "chunked", *CACHED_PROMPTS)}  # the others: prompts stock refuses
+            for prompt, entry in runs["off_all_ranks"]["prompts"].items() if prompt in STOCK_ANSWERED}
     report["pass"] = set(runs) == set(cp_runs) and bool(checks) and all(checks.values())
     return write_report(report, args.out)
 

@@ -21,11 +21,12 @@ PORT_IN_PROGRESS_TESTS = frozenset({
     "unit/test_compare_upstream_kv_sharding.py", "integration/test_sglang_0523_settings.py",
 })
 _HERE = Path(__file__).resolve().parent
+_INSTALLED = sg.installed_sglang_version()  # NOTE: read once, not per collected path
 _left_out = []
 
 
 def pytest_ignore_collect(collection_path, config):
-    if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION or collection_path.suffix != ".py":
+    if _INSTALLED != sg.PORT_IN_PROGRESS_VERSION or collection_path.suffix != ".py":
         return None
     name = collection_path.resolve().relative_to(_HERE).as_posix()
     if not name.startswith("test") and "/test_" not in name:
@@ -37,11 +38,10 @@ def pytest_ignore_collect(collection_path, config):
 
 
 def pytest_report_header(config):
-    version = sg.installed_sglang_version()
-    if version == sg.PORT_IN_PROGRESS_VERSION:
-        return (f"sglang {version} (port under way): only the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS "
+    if _INSTALLED == sg.PORT_IN_PROGRESS_VERSION:
+        return (f"sglang {_INSTALLED} (port under way): only the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS "
                 "are collected")
-    return f"sglang {version}"
+    return f"sglang {_INSTALLED}"
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -167,8 +167,9 @@ def configuration_problems(server_args) -> List[str]:
     if cfg.enable_dsa_cache_layer_split:
         refuse("--enable-dsa-cache-layer-split", "it splits whole layers across the CP ranks, the plugin splits "
                "pages; remove --enable-dsa-cache-layer-split.")
-    if _prefill_graph_chosen(server_args) and cfg.cuda_graph_config.prefill.backend != "disabled":
-        refuse(f"--cuda-graph-backend-prefill {cfg.cuda_graph_config.prefill.backend}",
+    chosen_graph = cfg.cuda_graph_config.prefill.backend
+    if _prefill_graph_chosen(server_args) and chosen_graph != sg.cuda_graph_config.Backend.DISABLED:
+        refuse(f"--cuda-graph-backend-prefill {chosen_graph}",
                "shared KV's per-layer collectives and page-table translation run outside a graph; add "
                "--disable-prefill-cuda-graph.")
     if cfg.disaggregation_mode != "prefill":

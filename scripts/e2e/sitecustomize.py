@@ -163,16 +163,19 @@ if os.environ.get("CPSKV_E2E") == "1":
         """Position-weighted byte sums of each page's first ``valid`` rows (MLA, index K + scale)."""
         import torch
 
+        from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as page
+
         def weighted(data):
             data = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
             return int((data * torch.arange(1, data.numel() + 1, device=data.device)).sum())
 
-        page = 64
+        key_bytes, scale_bytes = 128, 4  # per row of an index page: fp8 key, then (page-end) its fp32 scale
         out = []
         for p, v in zip(pages, valid):
             buf = index[p]
             out.append([weighted(kv[p * page: p * page + v]),
-                        weighted(buf[: v * 128]) + weighted(buf[page * 128: page * 128 + v * 4])])
+                        weighted(buf[: v * key_bytes])
+                        + weighted(buf[page * key_bytes: page * key_bytes + v * scale_bytes])])
         return out
 
     def _dump(record):
@@ -184,28 +187,25 @@ if os.environ.get("CPSKV_E2E") == "1":
             f.write(json.dumps(record) + "\n")
 
     def _request_pages(req_to_token, req):
+        from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as page
+
         seq = len(req.origin_input_ids)
         locs = req_to_token[req.req_pool_idx, :seq]
-        pages = (locs[::64] // 64).tolist()
-        return seq, pages, [min(64, seq - 64 * i) for i in range(len(pages))]
+        pages = (locs[::page] // page).tolist()
+        return seq, pages, [min(page, seq - page * i) for i in range(len(pages))]
 
     def _dumping_prefill_sends(module):
         send_kv_chunk = module.SchedulerDisaggregationPrefillMixin.send_kv_chunk
 
         def dumping(self, req, last_chunk=False, end_idx=None):
             if last_chunk and getattr(req, "bootstrap_room", None):
-                import torch
-
                 seq, pages, valid = _request_pages(self.req_to_token_pool.req_to_token, req)
                 pool = self.token_to_kv_pool_allocator.get_kvcache()
                 positions = list(range(len(pages)))
                 context = getattr(pool, "context", None)
-                if context is not None:
-                    logical = torch.tensor(pages, dtype=torch.int64)
-                    owned = context.layout.owned_pages_mask(logical).tolist()
-                    physical = context.layout.logical_pages_to_physical(logical).tolist()
-                    positions = [i for i in positions if owned[i]]
-                    pages = [physical[i] for i in positions]
+                if context is not None:  # the pages this rank holds, where it holds them
+                    physical, owned = context.layout.filter_owned_pages_np(pages, positions)
+                    pages, positions = physical.tolist(), owned.tolist()
                     valid = [valid[i] for i in positions]
                 for layer in range(pool.layer_num):
                     _dump({"side": "prefill", "room": req.bootstrap_room, "seq": seq, "layer": layer,

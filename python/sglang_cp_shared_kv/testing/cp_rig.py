@@ -150,13 +150,16 @@ class Rig:
         req.seq_len, req.pages = tokens, donor.pages[:pages]
         return req
 
+    def page_locs(self, pages) -> torch.Tensor:
+        """Every token location of ``pages`` (page ids, any sequence), page by page."""
+        pages = torch.as_tensor(pages, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * PAGE + torch.arange(PAGE, device=self.device)).reshape(-1)
+
     def release(self, req: Request, still_used: set) -> None:
         """Free the pages only ``req`` uses (shared prefix pages stay with their other users)."""
         own = [p for p in dict.fromkeys(req.pages) if p not in still_used]
         if own:
-            locs = (torch.tensor(own, dtype=torch.int64, device=self.device)[:, None] * PAGE
-                    + torch.arange(PAGE, device=self.device)).reshape(-1)
-            self.allocator.free(locs)
+            self.allocator.free(self.page_locs(own))
         self.free_slots.append(req.slot)
 
     def extend(self, req: Request, extend_len: int, *, full_view_layers=(), pad_rows: int = 0) -> bool:
@@ -386,12 +389,11 @@ class Rig:
         physical_pages = self.shared.physical_size // PAGE
         owned = torch.arange(1, physical_pages, device=self.device)
         logical = self.layout.physical_pages_to_logical(owned, validate=False)
-        rows = lambda pages: (pages[:, None] * PAGE + torch.arange(PAGE, device=self.device)).reshape(-1)  # noqa: E731
         for layer in self.layers:
             lid = layer.layer_id
             self._expect_equal(f"{where} layer {lid}: whole shard, MLA",
-                               self.shared.physical_kv_buffer(lid)[rows(owned)],
-                               self.replicated.kv_buffer[lid][rows(logical)])
+                               self.shared.physical_kv_buffer(lid)[self.page_locs(owned)],
+                               self.replicated.kv_buffer[lid][self.page_locs(logical)])
             self._expect_equal(f"{where} layer {lid}: whole shard, index",
                                self.shared.physical_index_buffer(lid)[owned],
                                self.replicated.index_k_with_scale_buffer[lid][logical])

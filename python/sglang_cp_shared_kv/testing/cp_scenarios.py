@@ -108,14 +108,14 @@ def lane_exhaustion(rig: Rig):
     held = torch.unique(alloc.alloc(alloc.available_size()) // PAGE)  # every free page
     lanes = (held - 1) % rig.n
     back = torch.cat([held[lanes == 0]] + [held[lanes == r][:2] for r in range(1, rig.n)])
-    alloc.free((back[:, None] * PAGE + torch.arange(PAGE, device=back.device)).reshape(-1))
+    alloc.free(rig.page_locs(back))
     before = dataclasses.replace(alloc.stats)
     req = rig.new_request()
     served = rig.extend(req, 4 * rig.n * PAGE)  # 4N pages: more than the 2 free pages of lanes 1..N-1 can hold
     rig.stats["lane_fallbacks"] = alloc.stats.lane_fallbacks - before.lane_fallbacks
     rig.release(req, set())
     rest = held[~torch.isin(held, back)]
-    alloc.free((rest[:, None] * PAGE + torch.arange(PAGE, device=rest.device)).reshape(-1))
+    alloc.free(rig.page_locs(rest))
     served = rig.extend(rig.new_request(), 2 * rig.n * PAGE) and served
     if not served:
         rig.errors.append("lane_exhaustion: a request was refused while the logical pool had room")
