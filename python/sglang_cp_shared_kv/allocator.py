@@ -19,6 +19,8 @@ logical pages on every rank; the layout then makes page ``p`` rank ``(p - 1) mod
   untouched) -- never out-of-memory while the logical pool has room. Every decision reads
   only the free list and the request's lengths, which are the same on every rank;
 * invariant: ``size == pool.physical_size * cp_size`` (checked at construction);
+* under interleave CP (0.5.23) no page has a computing rank:
+  :class:`CpSharedInterleavedPagesAllocator` leaves compute-owner allocation out;
 * with ``SGLANG_DEBUG_CP_SHARED_KV=1``, every allocation is checked to stay inside the
   logical range and off the dummy page 0, and compute-owner pages to be owned by their
   computing rank (this syncs the device).
@@ -132,6 +134,9 @@ def compute_owner_order_on_device(free_pages: torch.Tensor, ranks: Sequence[int]
 
 
 class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
+    #: in-seq-split CP (0.5.12.post1): each new page of a long chunk goes to the rank computing it
+    compute_owner_pages: bool = True
+
     def __init__(self, size, page_size, dtype, device, kvcache, need_sort):
         layout = getattr(kvcache, "cp_layout", None)
         if layout is None:
@@ -216,7 +221,7 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
     def _compute_owner_ranks(self, prefix_lens_cpu, seq_lens_cpu) -> Optional[Sequence[int]]:
         """Put one page of each new page's computing rank at the front of ``free_pages``
         (in order) and return those ranks; None when the chunk takes interleaved pages."""
-        if len(prefix_lens_cpu) != 1:
+        if not self.compute_owner_pages or len(prefix_lens_cpu) != 1:
             return None  # in-seq-split CP prefill runs one request per batch
         layout = self.cp_layout
         split = page_aligned_split(int(prefix_lens_cpu[0]), int(seq_lens_cpu[0]), self.page_size, layout.cp_size)
@@ -248,3 +253,11 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
         if owners != list(ranks):
             raise AssertionError(f"{FLAG}: compute-owner pages {pages.tolist()} have owners {owners}, "
                                  f"their computing ranks are {list(ranks)}")
+
+
+class CpSharedInterleavedPagesAllocator(CpSharedPagedTokenToKVPoolAllocator):
+    """The allocator under interleave CP (SGLang 0.5.23): token i is computed on rank
+    i mod N, so every page's rows come from every rank and no page has a computing rank;
+    every chunk takes interleaved pages, the free list as SGLang keeps it."""
+
+    compute_owner_pages = False

@@ -1,18 +1,22 @@
 """Capacity split: the scheduler sees N x the tokens each rank physically stores.
 
-Three hooks on ``ModelRunnerKVCacheMixin`` (scheduler processes):
+The arithmetic and the startup record are the same on every release
+(:func:`split_into_logical`, :func:`new_context`, :func:`record_capacity`); where they hook
+in is the release's:
 
-* ``_resolve_memory_pool_config`` AFTER (:func:`split_capacity`): re-validates the
-  configuration and the hooks in this process, then turns the profiled per-rank
-  token count into the logical capacity ``(physical div page) * N * page``. It runs
-  after ``--max-total-tokens`` and ``max_running_requests`` were resolved from the
-  *physical* count, so the request pool does not grow with the logical figure, and
-  ``--max-total-tokens`` keeps its stock meaning: a cap on what one GPU stores.
-* ``_init_pools`` AROUND (:func:`build_pools`): creates this rank's
-  :class:`~sglang_cp_shared_kv.context.CpSharedKVContext` and builds the pool (bound to
-  it) and allocator from our subclasses (physical buffers, logical size).
-* ``init_memory_pool`` AFTER (:func:`log_capacity`): records the :class:`CapacitySplit` on
-  the context and logs one startup line per rank.
+* SGLang 0.5.12.post1, three hooks on ``ModelRunnerKVCacheMixin`` (scheduler processes),
+  here: ``_resolve_memory_pool_config`` AFTER (:func:`split_capacity`): re-validates the
+  configuration and the hooks in this process, then turns the profiled per-rank token
+  count into the logical capacity ``(physical div page) * N * page``. It runs after
+  ``--max-total-tokens`` and ``max_running_requests`` were resolved from the *physical*
+  count, so the request pool does not grow with the logical figure, and
+  ``--max-total-tokens`` keeps its stock meaning: a cap on what one GPU stores;
+  ``_init_pools`` AROUND (:func:`build_pools`): creates this rank's
+  :class:`~sglang_cp_shared_kv.context.CpSharedKVContext` and builds the pool (bound to it)
+  and allocator from our subclasses (physical buffers, logical size); ``init_memory_pool``
+  AFTER (:func:`log_capacity`): records the :class:`CapacitySplit` on the context and logs
+  one startup line per rank;
+* SGLang 0.5.23: the same steps on its ``KVCacheConfigurator`` (:mod:`.capacity_dsa`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
 from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
 from sglang_cp_shared_kv.page_split import page_by_page_chunk_unit
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
+from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.rank_settings import check_ranks_agree
 from sglang_cp_shared_kv.server_args import validate
 
@@ -41,7 +45,7 @@ PHYSICAL_TOKENS_ATTR = "physical_max_total_num_tokens"
 def context_of(runner):
     """The shared-KV context of a model runner's pool (None when the flag is off)."""
     pool = getattr(runner, "token_to_kv_pool", None)
-    return pool.context if isinstance(pool, CpSharedNSATokenToKVPool) else None
+    return pool.context if isinstance(pool, CpSharedPoolMixin) else None
 
 
 def attention_cp_position(runner) -> Tuple[int, int]:
@@ -69,12 +73,31 @@ def split_capacity(config, runner, *args, **kwargs):
         return None
     hook_check.require_hooks_applied("scheduler process")
     validate(runner.server_args, hf_config=runner.model_config.hf_config, use_mla=runner.use_mla_backend)
+    return split_into_logical(config, layout_for_runner(runner))
+
+
+def split_into_logical(config, layout: CpSharedKVLayout):
+    """SGLang's ``MemoryPoolConfig`` with the logical capacity, the profiled physical
+    count kept beside it (:data:`PHYSICAL_TOKENS_ATTR`)."""
     if getattr(config, PHYSICAL_TOKENS_ATTR, None) is not None:
         raise RuntimeError(f"{FLAG}: the capacity split was applied twice to one MemoryPoolConfig")
     physical = config.max_total_num_tokens
     setattr(config, PHYSICAL_TOKENS_ATTR, physical)
-    config.max_total_num_tokens = layout_for_runner(runner).logical_tokens(physical)
+    config.max_total_num_tokens = layout.logical_tokens(physical)
     return config
+
+
+def new_context(layout: CpSharedKVLayout, server_args, cp_group) -> CpSharedKVContext:
+    """This rank's context, once the ranks of ``cp_group`` (SGLang's attention-CP
+    ``GroupCoordinator``) agree on the settings that change which collectives they issue."""
+    context = CpSharedKVContext(layout, metrics_enabled=bool(getattr(server_args, "enable_metrics", False)))
+    # Before anything depends on them: both change which collectives this rank issues.
+    check_ranks_agree(cp_group.cpu_group, {PREFETCH_ENV: prefetch_enabled(), DEBUG_ENV: debug_enabled()})
+    if prefetch_enabled():
+        context.prefetch_group = new_prefetch_group(cp_group)
+        logger.info("CP shared KV: MLA history prefetch on (%s=1): one layer ahead on its own communicator",
+                    PREFETCH_ENV)
+    return context
 
 
 def build_pools(original, runner, *args, **kwargs):
@@ -83,15 +106,11 @@ def build_pools(original, runner, *args, **kwargs):
         return original(runner, *args, **kwargs)
     if getattr(runner.memory_pool_config, PHYSICAL_TOKENS_ATTR, None) is None:
         raise RuntimeError(f"{FLAG}: the pools are being built before the capacity split ran")
-    context = CpSharedKVContext(layout_for_runner(runner),
-                                metrics_enabled=bool(getattr(runner.server_args, "enable_metrics", False)))
-    # Before anything depends on them: both change which collectives this rank issues.
-    check_ranks_agree(sg.get_attention_cp_group().cpu_group,
-                      {PREFETCH_ENV: prefetch_enabled(), DEBUG_ENV: debug_enabled()})
-    if prefetch_enabled():
-        context.prefetch_group = new_prefetch_group()
-        logger.info("CP shared KV: MLA history prefetch on (%s=1): one layer ahead on its own communicator",
-                    PREFETCH_ENV)
+    # NOTE: imported here, not at the top: pool.py subclasses 0.5.12's NSATokenToKVPool when
+    # imported, and this module's shared half serves 0.5.23 too (capacity_dsa)
+    from sglang_cp_shared_kv.pool import use_cp_shared_pool_classes
+
+    context = new_context(layout_for_runner(runner), runner.server_args, sg.get_attention_cp_group())
     with use_cp_shared_pool_classes(context):
         result = original(runner, *args, **kwargs)
     pool, allocator = runner.token_to_kv_pool, runner.token_to_kv_pool_allocator
@@ -109,20 +128,32 @@ def log_capacity(result, runner, *args, **kwargs):
     context = context_of(runner)
     if not shares_kv(runner.server_args) or context is None:
         return result
-    pool, layout = runner.token_to_kv_pool, context.layout
+    record_capacity(context, runner.token_to_kv_pool, runner.server_args, logical_tokens=runner.max_total_num_tokens,
+                    max_running_requests=runner.max_running_requests, local_writes=True)
+    return result
+
+
+def record_capacity(context: CpSharedKVContext, pool, settings, *, logical_tokens: int,
+                    max_running_requests: int, local_writes: bool) -> CapacitySplit:
+    """The rank's :class:`CapacitySplit` on its context, and its one startup line.
+    ``settings``: the resolved ``max_total_tokens`` and ``chunked_prefill_size`` (0.5.12's
+    ``ServerArgs``; 0.5.23's resolved view). ``local_writes``: whether full chunks can be
+    stored where they are computed (in-seq CP; under interleave every page's rows are
+    computed on every rank)."""
+    layout = context.layout
     split = CapacitySplit(
         physical_tokens_per_rank=pool.physical_size,
-        logical_tokens=runner.max_total_num_tokens,
+        logical_tokens=logical_tokens,
         cp_size=layout.cp_size,
         cp_rank=layout.cp_rank,
         page_size=layout.page_size,
         kv_gb_per_rank=pool.mem_usage,
-        max_running_requests=runner.max_running_requests,
+        max_running_requests=max_running_requests,
     )
     context.split = split
-    cap = runner.server_args.max_total_tokens
-    chunk, unit = runner.server_args.chunked_prefill_size, page_by_page_chunk_unit(layout.cp_size, layout.page_size)
-    chunked = chunk is not None and chunk > 0  # SGLang's -1 / None: chunked prefill off
+    cap = settings.max_total_tokens
+    chunk, unit = settings.chunked_prefill_size, page_by_page_chunk_unit(layout.cp_size, layout.page_size)
+    chunked = local_writes and chunk is not None and chunk > 0  # SGLang's -1 / None: chunked prefill off
     logger.info(
         "CP shared KV: physical_tokens_per_rank=%d logical_tokens=%d cp_size=%d cp_rank=%d "
         "shard_policy=%s kv_gb_per_rank=%.2f (same as without the flag) max_running_requests=%d%s "
@@ -140,4 +171,4 @@ def log_capacity(result, runner, *args, **kwargs):
             "KV (correct, but more bytes and N-fold stores per layer); with --chunked-prefill-size %d the "
             "full chunks are stored where they are computed (docs/user-guide.md, 'Where each chunk's KV "
             "is written')", chunk, unit, max(unit, chunk // unit * unit))
-    return result
+    return split

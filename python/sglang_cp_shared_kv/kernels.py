@@ -81,7 +81,7 @@ class KernelDispatch:
                        stock: Callable[[], None]) -> None:
         """Write row ``rows[i]`` of (k_nope | k_rope) to row ``locs[i]`` of one layer's MLA
         buffer (``rows=None``: row i), quantised to SGLang's packed fp8 rows when
-        ``packed_fp8`` (the pool's ``nsa_kv_cache_store_fp8``).
+        ``packed_fp8`` (the pool's ``stores_packed_fp8``).
 
         ``kv_buffer``: the layer's buffer as stored (uint8 for packed fp8, else the pool's
         element type); ``stock()``: SGLang's own store of the same rows (the fallback).

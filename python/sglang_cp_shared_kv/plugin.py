@@ -3,7 +3,8 @@
 ``register`` only registers hooks, the table of the installed SGLang release
 (:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
 the flag serves on (``sglang_api.SGLANG_VERSION``); on 0.5.23, whose port is under way,
-its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused);
+its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused) and
+its pool and capacity hooks;
 on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
 symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
@@ -37,6 +38,7 @@ _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+_KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"  # 0.5.23
 
 
 @functools.cache
@@ -98,8 +100,10 @@ def _hook_table() -> Tuple[HookSpec, ...]:
 
 
 @functools.cache
-def _settings_table_0523() -> Tuple[HookSpec, ...]:
-    """SGLang 0.5.23: the settings layer of the port (:mod:`.server_args_dsa`)."""
+def _table_0523() -> Tuple[HookSpec, ...]:
+    """SGLang 0.5.23, the port so far: the settings layer (:mod:`.server_args_dsa`) and the
+    pool and capacity (:mod:`.capacity_dsa`)."""
+    from sglang_cp_shared_kv import capacity_dsa
     from sglang_cp_shared_kv import server_args_dsa as dsa
 
     return (
@@ -108,6 +112,8 @@ def _settings_table_0523() -> Tuple[HookSpec, ...]:
         HookSpec("apply_prefill_cp_cuda_graph_default", dsa.prefill_cuda_graph_off, RESOLUTION),
         HookSpec("handle_kv_cache_sharding", dsa.refuse_kv_sharding_beside_the_flag, RESOLUTION),
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
+        HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),
+        HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_dsa.configure_shared_pools, "around"),
     )
 
 
@@ -126,7 +132,7 @@ def __getattr__(name: str):
 
 def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
     """The hook table of an installed SGLang release."""
-    tables = {sg.SGLANG_VERSION: _hook_table, sg.PORT_IN_PROGRESS_VERSION: _settings_table_0523}
+    tables = {sg.SGLANG_VERSION: _hook_table, sg.PORT_IN_PROGRESS_VERSION: _table_0523}
     table = tables.get(sg.table_version(sglang_version))
     return table() if table is not None else UNSUPPORTED_BASE_HOOKS
 

@@ -1,11 +1,11 @@
-"""The per-rank physical NSA KV pool behind a logical, N-times-larger address space.
+"""The per-rank physical NSA KV pool of SGLang 0.5.12.post1 behind a logical, N-times-larger
+address space.
 
 ``CpSharedNSATokenToKVPool`` is an ``NSATokenToKVPool`` whose buffers (MLA latent rows
 and indexer pages) hold only this rank's physical pages, while ``size`` reports the
-logical capacity: SGLang asserts page-table bounds against ``token_to_kv_pool.size``
-and every page table it builds carries logical locations. It holds the rank's
-:class:`~sglang_cp_shared_kv.context.CpSharedKVContext` (``context``) and the state of
-the forward in flight (``batch_state``, the one home of the per-batch state).
+logical capacity; what it does the same way on every release (dense-view reads, index
+write targets, the per-batch state, refusals) is :class:`~.pool_base.CpSharedPoolMixin`.
+It holds the rank's :class:`~sglang_cp_shared_kv.context.CpSharedKVContext` (``context``).
 
 It is installed only by :func:`use_cp_shared_pool_classes`, which swaps the pool and
 allocator classes that ``ModelRunnerKVCacheMixin._init_pools`` looks up, for the
@@ -13,38 +13,24 @@ duration of that one call, when the flag is on. The stock classes stay what they
 are everywhere else (HiSparse ``isinstance`` checks, a decode server in the same
 environment).
 
-KV access during a forward (the batch state comes from the ``init_forward_metadata``
-hook, the dense views from the per-layer hooks of :mod:`sglang_cp_shared_kv.forward`):
-
-* ``set_mla_kv_buffer`` writes only the rows this rank owns, at physical locations
-  (every CUDA MLA writer goes through it; :func:`forward.writes.store_owned_mla_rows`);
-* ``get_key_buffer`` and the index readers serve the layer's *dense view* (the
-  materialized scratch the remapped page tables address) and refuse when there is
-  none, rather than read physical rows with dense or logical locations;
-* index writes go to the buffer :meth:`index_writes_into` names for one store (this
-  rank's physical pages, or the dense view).
+``set_mla_kv_buffer`` writes only the rows this rank owns, at physical locations (every
+CUDA MLA writer goes through it; :func:`forward.writes.store_owned_mla_rows`).
 """
 
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
-from typing import ClassVar, Optional, Tuple
-
-import torch
+from typing import Optional
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.context import CpSharedKVContext
-from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.writes import store_owned_mla_rows
+from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.scoped import attributes_set
 
-logger = logging.getLogger(__name__)
 
-
-class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
+class CpSharedNSATokenToKVPool(CpSharedPoolMixin, sg.NSATokenToKVPool):
     """NSA pool of ``size // cp_size`` physical tokens exposing ``size`` logical tokens.
 
     Constructor arguments are ``NSATokenToKVPool``'s, with ``size`` the *logical*
@@ -52,169 +38,36 @@ class CpSharedNSATokenToKVPool(sg.NSATokenToKVPool):
     plus the rank's context, given explicitly or bound to the class by :meth:`bound_to`.
     """
 
-    bound_context: ClassVar[Optional[CpSharedKVContext]] = None
-
-    @classmethod
-    def bound_to(cls, context: CpSharedKVContext) -> type:
-        """A subclass whose instances use ``context`` (SGLang constructs the pool itself)."""
-        return type(cls.__name__, (cls,), {"bound_context": context, "__module__": cls.__module__})
-
     def __init__(self, size: int, page_size: int, *args, context: Optional[CpSharedKVContext] = None,
                  index_buf_size: Optional[int] = None, **kwargs):
-        context = context or self.bound_context
-        if context is None:
-            raise TypeError(f"{type(self).__name__} needs a CpSharedKVContext (context= or bound_to())")
-        layout = context.layout
-        if layout.page_size != page_size:
-            raise ValueError(f"layout page size {layout.page_size} != pool page size {page_size}")
-        physical_size = layout.physical_tokens(size)
-        if index_buf_size is not None and index_buf_size != size:
-            raise ValueError(
-                f"index_buf_size={index_buf_size} differs from the pool size {size}; "
-                "only HiSparse sets it, and HiSparse is not supported with shared KV"
-            )
-        self.context = context
-        self.physical_size = physical_size
+        physical_size = self._physical_size_for(size, page_size, context, index_buf_size)
         super().__init__(physical_size, page_size, *args, index_buf_size=physical_size, **kwargs)
-        # SGLang bounds-checks logical page tables against `size`; buffers stay physical.
-        self.size = size
-        self.logical_size = size
-        self.batch_state: Optional[CpSharedBatchState] = None
-        self._mla_view: Optional[Tuple[int, torch.Tensor]] = None
-        self._index_view: Optional[Tuple[int, torch.Tensor]] = None
-        self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
-        self._prefetched = None  # the next layer's MLA history being gathered (forward.prefetch)
-        #: (the batch's CP metadata, its forward.local_writes.LocalWrites), decided at its first layer
-        self.local_writes = None
-        self._gathers_kept_local = False  # within Indexer._get_q_k_bf16 of a local-writes forward
+        self._expose_logical_size(size)
 
-    @property
-    def cp_layout(self):
-        """This rank's layout (the context's)."""
-        return self.context.layout
-
-    # ---------------------------------------------------------------- per batch
-    def begin_batch(self, state: CpSharedBatchState) -> None:
-        self.end_batch()
-        self.batch_state = state
-
-    def end_batch(self) -> None:
-        self.batch_state = None
-        self.local_writes = None
-        self._prefetched = None  # only a failed forward leaves one: the last layer starts nothing
-        self.clear_views()
-
-    def clear_views(self) -> None:
-        self._mla_view = None
-        self._index_view = None
-
-    def set_mla_view(self, layer_id: int, dense: torch.Tensor) -> None:
-        self._mla_view = (layer_id, dense)
-
-    def set_index_view(self, layer_id: int, dense: torch.Tensor) -> None:
-        self._index_view = (layer_id, dense)
-
-    @contextmanager
-    def in_seq_gathers_kept_local(self):
-        """Within the block, SGLang's in-seq all-gather returns this rank's rows as they are
-        (the index key of a local-writes forward, ``forward.local_writes``)."""
-        with attributes_set(self, _gathers_kept_local=True):
-            yield
-
-    @property
-    def gathers_kept_local(self) -> bool:
-        return self._gathers_kept_local
-
-    def put_prefetched(self, history) -> None:
-        """Keep the next layer's MLA history (``forward.materialize.MlaHistory``) until it is taken."""
-        self._prefetched = history
-
-    def take_prefetched(self, layer_id: int):
-        """The MLA history prefetched for ``layer_id`` (None if there is none for it)."""
-        history, self._prefetched = self._prefetched, None
-        if history is not None and history.layer_id != layer_id:
-            raise RuntimeError(f"{FLAG}: layer {layer_id} found layer {history.layer_id}'s prefetched history; "
-                               "the layers ran out of order")
-        return history
-
-    def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id - self.start_layer]
-
-    def physical_index_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.index_k_with_scale_buffer[layer_id - self.start_layer]
-
-    def _view(self, view, layer_id: int, what: str) -> torch.Tensor:
-        if view is None or view[0] != layer_id:
-            raise RuntimeError(
-                f"{FLAG}: {what} of layer {layer_id} read without a materialized dense view; "
-                "a shared-KV rank cannot read the sequence from its own shard"
-            )
-        return view[1]
-
-    # ---------------------------------------------------------------- MLA rows
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope):
         """Write the rows this rank owns at their physical locations; drop the rest."""
         store_owned_mla_rows(self, layer, loc, cache_k_nope, cache_k_rope)
 
-    def get_key_buffer(self, layer_id: int):
-        dense = self._view(self._mla_view, layer_id, "the MLA KV")
-        return dense.view(self.dtype) if self.store_dtype != self.dtype else dense
+    def stock_store_mla_rows(self, layer, buffer, locs, k_nope, k_rope) -> None:
+        index = layer.layer_id - self.start_layer
+        own = self.kv_buffer[index]
+        self.kv_buffer[index] = buffer  # NOTE: 0.5.12's store writes self.kv_buffer[layer], nothing else
+        try:
+            sg.NSATokenToKVPool.set_mla_kv_buffer(self, layer, locs, k_nope, k_rope)
+        finally:
+            self.kv_buffer[index] = own
 
-    def get_value_buffer(self, layer_id: int):
-        return self.get_key_buffer(layer_id)[..., : self.kv_lora_rank]
-
-    # ------------------------------------------------------------- index rows
-    @contextmanager
-    def index_writes_into(self, layer_id: int, buffer: torch.Tensor):
-        """Within the block, the index stores of ``layer_id`` write into ``buffer``."""
-        with attributes_set(self, _index_write_target=(layer_id, buffer)):
-            yield
-
-    def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
-        target = self._index_write_target
-        if target is None or target[0] != layer_id:
-            raise RuntimeError(
-                f"{FLAG}: the raw index buffer of layer {layer_id} requested outside a shared-KV "
-                "index store (decode / speculative paths are not supported on a shared-KV rank)"
-            )
-        return target[1]
-
-    def set_index_k_scale_buffer(self, layer_id, loc, index_k, index_k_scale) -> None:
-        sg.index_buf_accessor.SetKAndS.execute(
-            pool=self, buf=self.get_index_k_with_scale_buffer(layer_id), loc=loc,
-            index_k=index_k, index_k_scale=index_k_scale,
-        )
+    @property
+    def stores_packed_fp8(self) -> bool:
+        return self.nsa_kv_cache_store_fp8
 
     def get_index_k_continuous(self, layer_id, seq_len, page_indices):
         buf = self._view(self._index_view, layer_id, "the index K")
-        return sg.index_buf_accessor.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
+        return sg.index_k_ops.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
     def get_index_k_scale_continuous(self, layer_id, seq_len, page_indices):
         buf = self._view(self._index_view, layer_id, "the index K scale")
-        return sg.index_buf_accessor.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
-
-    def get_index_k_scale_buffer(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
-        buf = self._view(self._index_view, layer_id, "the index K and scale")
-        return sg.index_buf_accessor.GetKAndS.execute(
-            self, buf, page_indices=page_indices, seq_len_tensor=seq_len_tensor,
-            seq_len_sum=seq_len_sum, max_seq_len=max_seq_len,
-        )
-
-    # ------------------------------------------- paths that would misuse logical locations
-    def _refuse(self, what: str):
-        raise NotImplementedError(f"{FLAG}: {what} is not supported on a shared-KV prefill rank")
-
-    def get_mla_kv_buffer(self, *args, **kwargs):
-        self._refuse("reading MLA rows by location (get_mla_kv_buffer)")
-
-    def set_kv_buffer(self, *args, **kwargs):
-        self._refuse("set_kv_buffer (non-MLA writes)")
-
-    def get_cpu_copy(self, *args, **kwargs):
-        self._refuse("offloading KV to host by location (retract/offload)")
-
-    def load_cpu_copy(self, *args, **kwargs):
-        self._refuse("loading KV from host by location")
+        return sg.index_k_ops.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
 
 @contextmanager

@@ -55,8 +55,8 @@ CP_STRATEGY = "interleave"
 #: and gathers it itself there too: ``all_gather_dsa_trtllm_fp8_kv``).
 SUPPORTED_DSA_PREFILL_BACKENDS = SUPPORTED_NSA_PREFILL_BACKENDS
 NOT_PORTED = (
-    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings, but its "
-    "shared-KV pool, forward and PD transfer hooks are not ported to this SGLang yet; serve with "
+    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings and builds its "
+    "shared-KV pool there, but its forward and PD transfer hooks are not ported to this SGLang yet; serve with "
     f"sglang=={sg.SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag (docs/design.md, "
     f"'The CP strategy on {sg.PORT_IN_PROGRESS_VERSION}').")
 
@@ -126,6 +126,21 @@ def _prefill_graph_chosen(server_args) -> bool:
 def configuration_problems(server_args) -> List[str]:
     """Every reason ``server_args`` (resolved) cannot run with the flag, each naming the
     setting and the fix in 0.5.23's option names; the last is :data:`NOT_PORTED`."""
+    return settings_problems(server_args) + [NOT_PORTED]
+
+
+def validate_in_scheduler(server_args) -> None:
+    """A scheduler process's check of the settings (before its pools are built). NOTE:
+    :data:`NOT_PORTED` is the main process's to raise: no scheduler process starts
+    without it passing, and the pool hooks run in the tests of the port."""
+    problems = settings_problems(server_args)
+    if problems:
+        raise CpSharedKVConfigError(f"{FLAG} cannot start with this configuration:\n"
+                                    + "\n".join(f"  - {p}" for p in problems))
+
+
+def settings_problems(server_args) -> List[str]:
+    """:func:`configuration_problems` without :data:`NOT_PORTED`."""
     cfg = sg.resolved_view(server_args)
     problems: List[str] = []
 
@@ -142,7 +157,7 @@ def configuration_problems(server_args) -> List[str]:
     if guards_decode(server_args):
         ray_problem(cfg, refuse, "a request this decode can never hold would wait at the head of its queue "
                     "while this process reports the guard on", "decode")
-        return problems + [NOT_PORTED]
+        return problems
     if cfg.device != "cuda" or getattr(torch.version, "hip", None):
         refuse(f"--device {cfg.device}", "shared KV runs on CUDA GPUs only; run the prefill server on NVIDIA "
                "GPUs or drop the flag.")
@@ -177,4 +192,4 @@ def configuration_problems(server_args) -> List[str]:
                "each CP rank holds only its stripe of the KV; run this server with --disaggregation-mode "
                "prefill and a separate (non-CP) decode server with the flag.")
     prefill_feature_problems(cfg, refuse)
-    return problems + [NOT_PORTED]
+    return problems

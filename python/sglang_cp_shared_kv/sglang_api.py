@@ -70,8 +70,8 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
     "model_runner_kv_cache_mixin": ("sglang.srt.model_executor.model_runner_kv_cache_mixin", None),
     # --- NSA forward path
-    "index_buf_accessor": ("sglang.srt.layers.attention.nsa.index_buf_accessor", None),
-    "can_use_nsa_fused_store": ("sglang.jit_kernel.fused_store_index_cache", "can_use_nsa_fused_store"),
+    "index_k_ops": ("sglang.srt.layers.attention.nsa.index_buf_accessor", None),  # GetKAndS, SetKAndS, GetK, GetS
+    "can_use_fused_index_store": ("sglang.jit_kernel.fused_store_index_cache", "can_use_nsa_fused_store"),
     "is_fp8_fnuz": ("sglang.srt.layers.quantization.fp8_kernel", "is_fp8_fnuz"),
     "is_nsa_prefill_cp_round_robin_split": ("sglang.srt.layers.attention.nsa.utils",
                                             "is_nsa_prefill_cp_round_robin_split"),
@@ -96,8 +96,21 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
 
-#: SGLang 0.5.23: what its settings layer reads (the rest of the port adds its names here).
+#: SGLang 0.5.23: its settings layer and the pool and capacity (the forward and transfer
+#: hooks of the port add their names here).
 _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
+    # --- KV pool and allocator (subclassed; the configurator's module globals rebound while pools are built)
+    "DSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool"),
+    "MLATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool"),
+    "unwrap_write_loc": ("sglang.srt.mem_cache.memory_pool", "unwrap_write_loc"),
+    "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
+    "kv_cache_configurator": ("sglang.srt.mem_cache.kv_cache_configurator", None),
+    "get_parallel": ("sglang.srt.runtime_context", "get_parallel"),
+    # --- DSA index K (the same GetKAndS / SetKAndS interface as 0.5.12's accessor)
+    "index_k_ops": ("sglang.kernels.ops.kvcache.dsa_index_k_cache", None),
+    "can_use_fused_index_store": ("sglang.kernels.ops.kvcache.dsa_fused_store_index_cache",
+                                  "can_use_dsa_fused_store"),
+    "is_fp8_fnuz": ("sglang.kernels.ops.quantization.fp8_kernel", "is_fp8_fnuz"),
     # --- configuration (ServerArgs is a msgspec record resolved by named steps)
     "is_deepseek_dsa": ("sglang.srt.configs.model_config", "is_deepseek_dsa"),
     "model_config_of": ("sglang.srt.arg_groups.model_override_base", "model_config_of"),

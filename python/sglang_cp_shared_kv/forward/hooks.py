@@ -25,20 +25,20 @@ from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
 
 
 def batch_state_of(forward_batch) -> Optional[CpSharedBatchState]:
     """The shared-KV state of the forward in flight, None on a stock pool (flag off)."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
-    return pool.batch_state if isinstance(pool, CpSharedNSATokenToKVPool) else None
+    return pool.batch_state if isinstance(pool, CpSharedPoolMixin) else None
 
 
 def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     """AFTER ``NativeSparseAttnBackend.init_forward_metadata``: build the batch state, point
     the backend's page tables at the dense scratch, hand the state to the pool."""
     pool = forward_batch.token_to_kv_pool
-    if not isinstance(pool, CpSharedNSATokenToKVPool):
+    if not isinstance(pool, CpSharedPoolMixin):
         return result
     pool.end_batch()
     metadata = backend.forward_metadata
@@ -146,7 +146,7 @@ def all_gather_in_seq_order(original, input_tensor, cp_size, forward_batch, stre
     """AROUND ``cp_utils.cp_all_gather_rerange_output`` (the registry rebinds the name in
     the modules that imported it: ``nsa_indexer``, ``deepseek_v2``, ``deepseek_nextn``)."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
-    uses_shared_kv = isinstance(pool, CpSharedNSATokenToKVPool)
+    uses_shared_kv = isinstance(pool, CpSharedPoolMixin)
     if uses_shared_kv and pool.gathers_kept_local:  # the index key of a local-writes forward
         return input_tensor
     if not in_seq_rerange.takes_plugin_path(input_tensor, forward_batch, uses_shared_kv):

@@ -14,8 +14,9 @@ Per layer each chunk row is quantised and stored **once** on a rank:
   each of them twice and read the chunk twice.
 
 Any other MLA writer of SGLang (the full-view path, where the chunk was written before
-``forward_extend``) goes through ``CpSharedNSATokenToKVPool.set_mla_kv_buffer``, which
-stores the owned rows of what it is given: :func:`store_owned_mla_rows`.
+``forward_extend``) goes through the pool's ``set_mla_kv_buffer``, which stores the owned
+rows of what it is given: :func:`store_owned_mla_rows`. SGLang's own store into a given
+buffer is the pool's ``stock_store_mla_rows`` (each release's pool class says how).
 
 Every store takes the fused kernel of ``sgl-kernel/`` where it writes SGLang's bytes
 (:class:`~sglang_cp_shared_kv.kernels.KernelDispatch`), and SGLang's own store otherwise,
@@ -41,23 +42,27 @@ def store_owned_mla_rows(pool, layer, loc: torch.Tensor, k_nope: torch.Tensor, k
     if not rows.numel():
         return
 
-    def stock():
-        sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, physical_locs, k_nope.index_select(0, rows),
-                                              k_rope.index_select(0, rows))
+    shard = pool.physical_kv_buffer(layer.layer_id)
 
-    pool.context.kernels.store_mla_rows(pool.physical_kv_buffer(layer.layer_id), rows, physical_locs, k_nope,
-                                        k_rope, packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+    def stock():
+        pool.stock_store_mla_rows(layer, shard, physical_locs, k_nope.index_select(0, rows),
+                                  k_rope.index_select(0, rows))
+
+    pool.context.kernels.store_mla_rows(shard, rows, physical_locs, k_nope, k_rope,
+                                        packed_fp8=pool.stores_packed_fp8, stock=stock)
 
 
 def store_local_mla_rows(pool, layer, physical_locs: torch.Tensor, k_nope: torch.Tensor,
                          k_rope: torch.Tensor) -> None:
     """Row i of (k_nope | k_rope) at ``physical_locs[i]`` of this rank's shard: the rows this
     rank computed, all on pages it owns (``forward.local_writes``)."""
-    def stock():
-        sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, physical_locs, k_nope, k_rope)
+    shard = pool.physical_kv_buffer(layer.layer_id)
 
-    pool.context.kernels.store_mla_rows(pool.physical_kv_buffer(layer.layer_id), None, physical_locs, k_nope,
-                                        k_rope, packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+    def stock():
+        pool.stock_store_mla_rows(layer, shard, physical_locs, k_nope, k_rope)
+
+    pool.context.kernels.store_mla_rows(shard, None, physical_locs, k_nope, k_rope,
+                                        packed_fp8=pool.stores_packed_fp8, stock=stock)
 
 
 def store_mla_rows_into(pool, buffer: torch.Tensor, layer, locs: torch.Tensor, k_nope: torch.Tensor,
@@ -65,16 +70,10 @@ def store_mla_rows_into(pool, buffer: torch.Tensor, layer, locs: torch.Tensor, k
     """SGLang's MLA store (fp8 quantisation included) of every row into ``buffer`` at
     ``locs``: the bytes are exactly those a stock pool would hold for these rows."""
     def stock():
-        index = layer.layer_id - pool.start_layer
-        physical = pool.kv_buffer[index]
-        pool.kv_buffer[index] = buffer  # SGLang's store writes self.kv_buffer[layer]
-        try:
-            sg.NSATokenToKVPool.set_mla_kv_buffer(pool, layer, locs, k_nope, k_rope)
-        finally:
-            pool.kv_buffer[index] = physical
+        pool.stock_store_mla_rows(layer, buffer, locs, k_nope, k_rope)
 
     pool.context.kernels.store_mla_rows(buffer, None, locs, k_nope, k_rope,
-                                        packed_fp8=pool.nsa_kv_cache_store_fp8, stock=stock)
+                                        packed_fp8=pool.stores_packed_fp8, stock=stock)
 
 
 # ------------------------------------------------------------------------ index rows
@@ -89,7 +88,7 @@ def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_s
         return False
     flags = (key.dtype, locs.dtype, page_size)
     if flags not in _FUSED_INDEX_STORE:
-        _FUSED_INDEX_STORE[flags] = not sg.is_fp8_fnuz() and sg.can_use_nsa_fused_store(*flags)
+        _FUSED_INDEX_STORE[flags] = not sg.is_fp8_fnuz() and sg.can_use_fused_index_store(*flags)
     return _FUSED_INDEX_STORE[flags]
 
 

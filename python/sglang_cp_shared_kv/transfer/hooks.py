@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.transfer.decode import keep_failure_cause, with_cause
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
 from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, prefill_transfer
@@ -31,7 +31,7 @@ def check_transfer_matches_pool(kv_mgr, queue, *args, **kwargs):
     context = prefill_transfer(kv_mgr)
     if context is not None:
         pool = queue.token_to_kv_pool
-        if not isinstance(pool, CpSharedNSATokenToKVPool):
+        if not isinstance(pool, CpSharedPoolMixin):
             raise CpSharedKVTransferError(
                 f"{FLAG}: the prefill bootstrap queue registers a {type(pool).__name__}, not the shared-KV pool")
         context.check_pool(pool)
