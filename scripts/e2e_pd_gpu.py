@@ -442,36 +442,58 @@ def forwards_done(port) -> int:
     return int(sum(prometheus_samples(port, WRITE_PATHS_METRIC).values()))
 
 
+def last_chunks_handed_over(port, stalled_rank) -> int:
+    """Index pages every CP rank but ``stalled_rank`` has sent: SGLang sends them with a
+    request's last chunk, which it hands to the sender right after it moves the request into
+    its transfer (inflight) queue."""
+    return sum(pages.get("state", 0) for rank, pages in
+               pages_sent_by_rank(prometheus_samples(port, PAGES_SENT_METRIC)).items() if rank != stalled_rank)
+
+
 def probe_abort(ports, room, cp_size):
     """on_abort (module docstring): the chunked prompt, aborted on the prefill once every CP
-    rank has run its last chunk (CP rank 1's first write is held meanwhile); decode's answer
-    and how long after the abort it came."""
+    rank has run its last chunk and the ranks whose writes run have handed it to their senders
+    (CP rank 1's first write is held meanwhile); decode's answer and how long after the
+    abort it came.
+
+    NOTE: the abort waits for the hand-over because SGLang 0.5.12.post1 does not honour one
+    that lands earlier: it marks a request of the running batch ``to_finish``, and its PD
+    prefill moves the request into the transfer queue without looking at that mark, so the
+    transfer completes once the held write is let go (flag on or off alike). The first CP4 and
+    CP2-fp8 runs (2026-12-03) aborted on the forward count alone and hit that window."""
     ids = prompts()["chunked"]
     expected = -(-len(ids) // CHUNK) * cp_size
+    stalled_rank = RUNS["on_abort"].stall_rank
     before = forwards_done(ports["prefill"])
+    handed_before = last_chunks_handed_over(ports["prefill"], stalled_rank)
     rid = f"cpskv-e2e-abort-{room}"
     record = {}
 
-    def abort_once_computed(t0):
+    def abort_once_handed_over(t0):
         deadline = time.monotonic() + 60
-        while forwards_done(ports["prefill"]) - before < expected and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+                forwards_done(ports["prefill"]) - before < expected
+                or last_chunks_handed_over(ports["prefill"], stalled_rank) <= handed_before):
             time.sleep(0.2)
         record["forwards_before_abort"] = forwards_done(ports["prefill"]) - before
         record["forwards_expected"] = expected
+        record["last_chunk_handed_over"] = last_chunks_handed_over(ports["prefill"], stalled_rank) > handed_before
         record["abort_at_s"] = round(time.monotonic() - t0, 3)
         post(ports["prefill"], "/abort_request", {"rid": rid})
 
-    entry = generate_pd(ports, ids, room, timeout=HANG_PROBE_S, rid=rid, meanwhile=abort_once_computed)
+    entry = generate_pd(ports, ids, room, timeout=HANG_PROBE_S, rid=rid, meanwhile=abort_once_handed_over)
     entry["abort"] = record
     return entry
 
 
 def aborted_at_once(entry) -> bool:
-    """on_abort's check: a prefill process held its write, every chunk had run, and decode
-    failed the request within AT_ONCE_S of the abort, naming the prefill's abort."""
+    """on_abort's check: a prefill process held its write, every chunk had run and been
+    handed to the senders (the request was in SGLang's transfer queue), and decode failed the
+    request within AT_ONCE_S of the abort, naming the prefill's abort."""
     record, answer = entry.get("abort", {}), entry["decode"]
     return (entry.get("stalled_write_processes", 0) >= 1
             and record.get("forwards_before_abort", -1) >= record.get("forwards_expected", 0) > 0
+            and record.get("last_chunk_handed_over") is True
             and answer["status"] in ("http_error", "aborted")
             and answer.get("elapsed_s", AT_ONCE_S + 1e9) - record["abort_at_s"] < AT_ONCE_S
             and ABORT_CAUSE in (answer.get("error") or ""))

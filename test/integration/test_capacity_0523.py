@@ -13,7 +13,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
     pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
 
-from sglang_cp_shared_kv import capacity, capacity_dsa  # noqa: E402
+from sglang_cp_shared_kv import capacity_dsa  # noqa: E402
 from sglang_cp_shared_kv.allocator import CpSharedInterleavedPagesAllocator  # noqa: E402
 from sglang_cp_shared_kv.capacity import PHYSICAL_TOKENS_ATTR  # noqa: E402
 from sglang_cp_shared_kv.config import FLAG  # noqa: E402

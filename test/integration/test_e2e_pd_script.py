@@ -146,7 +146,8 @@ def _runs(pd, corrupt_differs=True, on_gap=0.0, guard_waits=False):
     runs["on_abort"] = {"startup": {"prefill": {"stalled_write_processes": 1}}, "prompts": {"chunked_aborted": {
         **refused(f"...; cause: prefill CP rank 1 of 2: room 7 ends unsent: {pd.ABORT_CAUSE} before sending all",
                   elapsed=3.5),
-        "abort": {"forwards_before_abort": 8, "forwards_expected": 8, "abort_at_s": 3.0}}}}
+        "abort": {"forwards_before_abort": 8, "forwards_expected": 8, "last_chunk_handed_over": True,
+                  "abort_at_s": 3.0}}}}
     return runs
 
 
@@ -202,6 +203,9 @@ def test_an_abort_mid_transfer_must_fail_on_decode_at_once_naming_the_abort(pd):
         lambda e, s: e["decode"].update(error="...; cause: prefill CP rank 1 of 2: rejected room 7"),  # not the abort
         lambda e, s: e.update(decode={"status": "ok", "ids": [1], "logprobs": [-1.0], "elapsed_s": 3.1}),  # answered
         lambda e, s: e["abort"].update(forwards_before_abort=7),  # aborted before the last chunk ran
+        # computed, not yet in SGLang's transfer queue: 0.5.12.post1 never honours that abort
+        lambda e, s: e["abort"].update(last_chunk_handed_over=False),
+        lambda e, s: e["abort"].pop("last_chunk_handed_over"),  # a record of the script before it waited
         lambda e, s: s.update(stalled_write_processes=0),  # no write held: maybe not mid-transfer
     ):
         runs = _runs(pd)
