@@ -60,6 +60,14 @@ export PYTHONPATH="$site:$root/python:$root/sgl-kernel/python"
 export LD_LIBRARY_PATH="$site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"  # rdma-core/numa for Mooncake
 export CUDA_HOME=/usr/local/cuda PATH=/usr/local/cuda/bin:$PATH HF_HUB_OFFLINE=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# NOTE: a call that ran out of time on a warm machine leaves its servers running (the scripts
+# start each in its own session); they hold their ports and answer the next call's requests.
+# Stop every process group of a leftover server first (the machine runs nothing else), unless
+# KEEP_SERVERS=1: two sessions started side by side in one call (E2E beside PD) keep each other's.
+[ "${KEEP_SERVERS:-0}" = 1 ] || for pid in $(pgrep -f "sglang.launch_server" || true); do
+  pgid=$(ps -o pgid= "$pid" 2>/dev/null | tr -d ' ')
+  [ -n "$pgid" ] && echo "gpu_session: stopping leftover SGLang server group $pgid" && kill -9 -- "-$pgid" 2>/dev/null
+done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 status=0
