@@ -61,6 +61,9 @@ def test_the_table_shows_every_figure_and_check():
     report = build_report(SelfcheckOptions(), [rank, rank], {"receive": {"status": "success", "verified": True},
                                                              "stray_writes": []}, 1.0, None)
     text = format_report(report)
+    from sglang_cp_shared_kv import sglang_api as sg
+
+    assert report["sglang_version"] == sg.SGLANG_VERSION and f"sglang {sg.SGLANG_VERSION}" in text.splitlines()[0]
     assert "logical 1,280 tokens = 2 x physical 640 per rank" in text
     assert "FAIL  capacity" in text  # 1 B of KV per rank is not what the planner says for 640 tokens
     for line in ("PASS  prefill bit-exact", "PASS  decode pool", "PASS  every page sent once", "verdict: FAIL"):
@@ -106,3 +109,18 @@ def test_options_validate_themselves():
     assert SelfcheckOptions(context_len=1000, prefix_len=0, chunk_size=4000).chunks == 1
     with pytest.raises(SelfcheckArgumentError, match="--device"):
         SelfcheckOptions(device="tpu")
+
+
+@pytest.mark.parametrize("installed, named", [
+    ("0.5.23", "its port is under way"),  # a table of its own, the selfcheck's path not ported
+    ("0.5.11", "the installed sglang is 0.5.11; run it"),
+])
+def test_on_a_base_it_cannot_drive_the_selfcheck_says_so_and_where_it_runs(installed, named, monkeypatch, capsys):
+    from sglang_cp_shared_kv import __main__ as cli
+    from sglang_cp_shared_kv import sglang_api as sg
+
+    monkeypatch.setattr(sg, "installed_sglang_version", lambda: installed)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["selfcheck"])
+    message = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in message and "scripts/bootstrap.sh test" in message

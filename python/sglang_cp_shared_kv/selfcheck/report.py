@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.kv_geometry import (
     NSA_INDEX_HEAD_DIM,
     NSA_KV_LORA_RANK,
@@ -121,6 +122,7 @@ def build_report(options: SelfcheckOptions, ranks: List[Optional[Dict[str, Any]]
                           "materialized_bytes_per_layer": r["materialized_bytes_per_layer"]["bytes"]})
     return {
         "verdict": "PASS" if all(c.passed for c in checks) else "FAIL",
+        "sglang_version": sg.installed_sglang_version(),
         "options": asdict(options),
         "capacity": {"physical_tokens_per_rank": physical,
                      "logical_tokens": capacity[0]["logical_tokens"] if capacity else None,
@@ -142,7 +144,8 @@ def format_report(report: Dict[str, Any]) -> str:
     lines = [
         f"selfcheck: CP{report['options']['cp_size']}, {report['options']['kv_cache_dtype']} KV, "
         f"{report['options']['device']}, a {req['tokens']:,}-token request ({req['prefix_tokens']:,} from the radix "
-        f"cache, chunks ending at {', '.join(f'{e:,}' for e in req['chunk_ends'])}) in {report['wall_s']} s",
+        f"cache, chunks ending at {', '.join(f'{e:,}' for e in req['chunk_ends'])}) in {report['wall_s']} s, "
+        f"sglang {report['sglang_version']}",
         f"capacity      logical {cap['logical_tokens'] or 0:,} tokens = {report['options']['cp_size']} x physical "
         f"{cap['physical_tokens_per_rank'] or 0:,} per rank; KV per rank {cap['kv_bytes_per_rank'] or 0:,} B",
         "",
