@@ -1,12 +1,17 @@
 """The flag on a decode server (:func:`.config.guards_decode`): its startup check, and its
 admission guard, which refuses at once a request it can never hold
 (:class:`.decode_admission.DecodeAdmission`: why, and the bound). Without the flag the
-decode server is stock."""
+decode server is stock.
+
+The hooks here are SGLang 0.5.12.post1's; 0.5.23's are :mod:`.decode_server_dsa`. What both
+releases share is here: the refusal decision (:func:`refusal_of`), the answer
+(:func:`answer_refusal`) and the startup line (:func:`log_guard`)."""
 
 from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import Callable, Optional
 
 from sglang_cp_shared_kv import hook_check
 from sglang_cp_shared_kv import sglang_api as sg
@@ -17,6 +22,32 @@ from sglang_cp_shared_kv.server_args import validate
 logger = logging.getLogger(__name__)
 
 
+# --------------------------------------------------------------- shared by every release
+def refusal_of(queue, req, admission: DecodeAdmission) -> Optional[str]:
+    """The flag's verdict on a request SGLang's own capacity check let through: the message
+    refusing it, or None (admit as stock). Flag off, or a request SGLang has ended already (an
+    input-length or session error reaches the queue aborted, and its own message stands): None."""
+    if not guards_decode(queue.scheduler.server_args) or req.finished_reason is not None:
+        return None
+    problem = admission.refusal(len(req.origin_input_ids))
+    return None if problem is None else f"Request {req.rid}: {problem}"
+
+
+def answer_refusal(req, message: str, stream_output: Callable) -> None:
+    """End ``req`` as SGLang's own capacity refusal does: HTTP 400, ``finish_reason`` abort."""
+    logger.error(message)  # NOTE: the level of SGLang's own capacity refusal beside it
+    sg.prepare_abort(req, message, status_code=HTTPStatus.BAD_REQUEST)
+    stream_output([req], req.return_logprob)
+
+
+def log_guard(bound: DecodeAdmission) -> None:
+    """The decode scheduler's startup line: the bound and the ``--context-length`` within it."""
+    logger.info("%s (decode): a request whose prompt + %d reserved decode tokens exceeds this pool's %d "
+                "tokens is refused at once (HTTP 400); --context-length <= %d keeps every request within it.",
+                FLAG, bound.reserved_decode_tokens, bound.pool_tokens, bound.longest_context())
+
+
+# ------------------------------------------------------- SGLang 0.5.12.post1's hooks
 def admission_of(queue) -> DecodeAdmission:
     """The admission bound of a ``DecodePreallocQueue`` (its own figures, read now)."""
     return DecodeAdmission(pool_tokens=int(queue.max_total_num_tokens),
@@ -26,19 +57,13 @@ def admission_of(queue) -> DecodeAdmission:
 def refuse_what_decode_can_never_hold(original, queue, req, *args, **kwargs):
     """AROUND ``DecodePreallocQueue._check_if_req_exceed_kv_capacity`` (True: the request
     was refused and answered). SGLang's own check first; then, flag on, :class:`DecodeAdmission`'s
-    bound, for a request SGLang has not ended already (an input-length or session error reaches
-    the queue aborted, and its own message stands)."""
+    bound (:func:`refusal_of`)."""
     if original(queue, req, *args, **kwargs):
         return True
-    if not guards_decode(queue.scheduler.server_args) or req.finished_reason is not None:
+    message = refusal_of(queue, req, admission_of(queue))
+    if message is None:
         return False
-    problem = admission_of(queue).refusal(len(req.origin_input_ids))
-    if problem is None:
-        return False
-    message = f"Request {req.rid}: {problem}"
-    logger.error(message)  # NOTE: the level of SGLang's own capacity refusal beside it
-    sg.prepare_abort(req, message, status_code=HTTPStatus.BAD_REQUEST)
-    queue.scheduler.stream_output([req], req.return_logprob)
+    answer_refusal(req, message, queue.scheduler.stream_output)
     return True
 
 
@@ -51,11 +76,9 @@ def check_decode_server(result, queue, *args, **kwargs):
         hook_check.require_hooks_applied("decode scheduler process")
         model_config = getattr(queue.scheduler, "model_config", None)  # the scheduler's: no second one built
         validate(server_args, hf_config=getattr(model_config, "hf_config", None))
-        bound = admission_of(queue)
-        logger.info("%s (decode): a request whose prompt + %d reserved decode tokens exceeds this pool's %d "
-                    "tokens is refused at once (HTTP 400); --context-length <= %d keeps every request within it.",
-                    FLAG, bound.reserved_decode_tokens, bound.pool_tokens, bound.longest_context())
+        log_guard(admission_of(queue))
     return result
 
 
-__all__ = ["admission_of", "refuse_what_decode_can_never_hold", "check_decode_server"]
+__all__ = ["admission_of", "answer_refusal", "check_decode_server", "log_guard", "refusal_of",
+           "refuse_what_decode_can_never_hold"]

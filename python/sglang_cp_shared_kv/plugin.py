@@ -3,8 +3,8 @@
 ``register`` only registers hooks, the table of the installed SGLang release
 (:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
 the flag serves on (``sglang_api.SGLANG_VERSION``); on 0.5.23, whose port is under way,
-its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused) and
-its pool and capacity hooks;
+its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused), its
+pool and capacity hooks and the decode server's;
 on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
 symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
@@ -101,9 +101,9 @@ def _hook_table() -> Tuple[HookSpec, ...]:
 
 @functools.cache
 def _table_0523() -> Tuple[HookSpec, ...]:
-    """SGLang 0.5.23, the port so far: the settings layer (:mod:`.server_args_dsa`) and the
-    pool and capacity (:mod:`.capacity_dsa`)."""
-    from sglang_cp_shared_kv import capacity_dsa
+    """SGLang 0.5.23, the port so far: the settings layer (:mod:`.server_args_dsa`), the
+    pool and capacity (:mod:`.capacity_dsa`) and the decode server (:mod:`.decode_server_dsa`)."""
+    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa
     from sglang_cp_shared_kv import server_args_dsa as dsa
 
     return (
@@ -114,6 +114,10 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_dsa.configure_shared_pools, "around"),
+        # --- the decode server (flag on there too): refuse at once a request it can never hold
+        HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
+        HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",
+                 decode_server_dsa.refuse_what_decode_can_never_hold, "around"),
     )
 
 

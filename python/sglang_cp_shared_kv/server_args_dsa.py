@@ -155,6 +155,10 @@ def settings_problems(server_args) -> List[str]:
                "this model is not DSA. Drop the flag for this model.")
     pd_problems(cfg, refuse, other="prefill" if guards_decode(server_args) else "decode")
     if guards_decode(server_args):
+        if cfg.enable_hisparse:
+            refuse("--enable-hisparse", "HiSparse admits decode requests by its own logical pool "
+                   "(max_token_pool_size), which the flag's admission bound does not model; not supported with "
+                   "the flag yet. Remove --enable-hisparse from the decode server.")
         ray_problem(cfg, refuse, "a request this decode can never hold would wait at the head of its queue "
                     "while this process reports the guard on", "decode")
         return problems

@@ -96,8 +96,8 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
 
-#: SGLang 0.5.23: its settings layer and the pool and capacity (the forward and transfer
-#: hooks of the port add their names here).
+#: SGLang 0.5.23: its settings layer, the pool and capacity and the decode server (the
+#: forward and transfer hooks of the port add their names here).
 _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     # --- KV pool and allocator (subclassed; the configurator's module globals rebound while pools are built)
     "DSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool"),
@@ -119,6 +119,8 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     "resolving_view": ("sglang.srt.arg_groups.model_override_base", "resolving_view"),
     "declare_resolution": ("sglang.srt.arg_groups.overrides", "declare_resolution"),
     "cuda_graph_config": ("sglang.srt.model_executor.cuda_graph_config", None),
+    # --- the decode server (its admission queue)
+    "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
     # --- the plugin framework
     "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),

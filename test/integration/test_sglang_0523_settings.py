@@ -51,7 +51,7 @@ def _problems(server_args):
 
 def test_the_table_is_the_settings_layer_and_every_hook_is_in_place(plugin_loaded):
     table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
-    assert set(table) <= set(plugin_loaded) and len(table) == 7
+    assert set(table) <= set(plugin_loaded) and len(table) == 9
     assert missing_hooks(table) == []
 
 
