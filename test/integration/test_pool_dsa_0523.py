@@ -168,3 +168,50 @@ def test_allocator_hands_out_the_whole_logical_range_interleaved(n, monkeypatch)
     owners = pool.cp_layout.owner_for_logical_pages(pages)
     assert torch.equal(torch.bincount(owners, minlength=n), torch.full((n,), physical_pages))
     assert alloc.available_size() == 0 and alloc.stats.compute_owner_chunks == 0
+
+
+@pytest.fixture
+def index_k_standins(monkeypatch):
+    """0.5.23's index-K store and read are Triton; both pools get the same torch stand-ins
+    (0.5.12's, written to the same contract and proven equal to 0.5.12's kernels on a GPU):
+    what is checked is which buffer and rows the pool sends them to."""
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache
+
+    from sglang_cp_shared_kv.testing.torch_standins import get_k_and_s_reference, set_k_and_s_reference
+
+    monkeypatch.setattr(dsa_index_k_cache, "_set_k_and_s_triton", set_k_and_s_reference)
+    monkeypatch.setattr(dsa_index_k_cache, "_get_k_and_s_triton", get_k_and_s_reference)
+
+
+@pytest.mark.usefixtures("index_k_standins")
+def test_index_k_goes_to_the_named_target_and_is_read_from_the_dense_view():
+    """The indexer's store (``set_index_k_scale_buffer``, through 0.5.23's ``SetKAndS``) writes
+    where the forward names (``index_writes_into``: the shard or a dense view), the bytes a
+    stock pool's ``IndexKeyCache`` stores at those rows; its read (``get_index_k_scale_buffer``,
+    ``GetKAndS``) reads the layer's dense view, never the shard."""
+    physical = 4 * PAGE
+    pool, stock = shared_pool(physical, 2, 1), stock_pool(physical)
+    torch.manual_seed(0)
+    locs = torch.arange(PAGE, 3 * PAGE)
+    keys = torch.randn(locs.numel(), 128).to(torch.float8_e4m3fn)
+    scales = torch.rand(locs.numel(), 1)
+    with pytest.raises(RuntimeError, match="outside a shared-KV index store"):
+        pool.set_index_k_scale_buffer(1, locs, keys, scales)
+    stock.set_index_k_scale_buffer(1, locs, keys, scales)
+    shard = pool.physical_index_buffer(1)
+    with pool.index_writes_into(1, shard):
+        pool.set_index_k_scale_buffer(1, locs, keys, scales)
+    assert torch.equal(shard, stock.index_k_with_scale_buffer[1])
+    assert not pool.index_k_with_scale_buffer[0].any()  # another layer untouched
+    view = torch.zeros_like(shard)
+    with pool.index_writes_into(1, view):
+        pool.set_index_k_scale_buffer(1, locs, keys, scales)
+    assert torch.equal(view, shard)
+    read = dict(seq_len_tensor=torch.tensor([locs.numel()]), page_indices=torch.tensor([[1, 2]]),
+                seq_len_sum=locs.numel(), max_seq_len=locs.numel())
+    with pytest.raises(RuntimeError, match="without a materialized dense view"):
+        pool.get_index_k_scale_buffer(1, **read)
+    shard.zero_()  # the read must come from the view
+    pool.set_index_view(1, view)
+    for mine, theirs in zip(pool.get_index_k_scale_buffer(1, **read), stock.get_index_k_scale_buffer(1, **read)):
+        assert torch.equal(mine, theirs)
