@@ -311,3 +311,47 @@ def test_a_run_whose_ranks_did_not_all_take_the_stable_topk_fails_its_check(pd):
     assert stable_topk_problem({"stable_topk_processes": 3}, "on prefill", Path("p.log"), 2) is None
     problem = stable_topk_problem({"stable_topk_processes": 1}, "on prefill", Path("p.log"), 2)
     assert "1 server process(es) reported it, fewer than its 2 TP rank(s)" in problem
+
+
+def test_the_abort_probe_waits_for_the_last_chunk_handed_over_on_the_ranks_whose_writes_run(pd, monkeypatch):
+    """The on_abort probe aborts only once every chunk is computed AND the ranks whose writes
+    run have sent the request's index pages (SGLang hands them over with the last chunk, right
+    after it queues the request for transfer): an earlier abort lands where 0.5.12.post1 never
+    honours it. The held rank's own index pages do not count."""
+    metric = pd.PAGES_SENT_METRIC
+    expected = -(-len(pd.prompts()["chunked"]) // pd.CHUNK) * 2  # forwards of the chunked prompt on 2 ranks
+    samples = {"forwards": 0, "state": {0: 0, 1: 0}}
+
+    def prometheus(port, name):
+        if name == metric:
+            return {f'{{cp_rank="{r}",kind="{kind}"}}': float(n if kind == "state" else 99)
+                    for r, n in samples["state"].items() for kind in ("kv", "state")}
+        return {'{cp_rank="0"}': float(samples["forwards"])}
+
+    posted, polls = [], []
+
+    def tick(_seconds):  # each poll of the probe: the server moves on
+        polls.append(1)
+        if len(polls) == 3:
+            samples["forwards"] = expected  # every chunk computed on both ranks
+        if len(polls) == 4:
+            samples["state"][1] = 7  # the held rank's pages count for nothing
+        if len(polls) == 6:
+            samples["state"][0] = 5  # rank 0 handed its last chunk over
+
+    def generate(ports, ids, room, timeout, rid, meanwhile):
+        meanwhile(pd.time.monotonic())
+        return {"decode": {"status": "aborted"}}
+
+    import time
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(pd, "prometheus_samples", prometheus)
+    monkeypatch.setattr(pd, "time", SimpleNamespace(sleep=tick, monotonic=time.monotonic))  # this script's only
+    monkeypatch.setattr(pd, "post", lambda port, path, body: posted.append((path, len(polls))))
+    monkeypatch.setattr(pd, "generate_pd", generate)
+    entry = pd.probe_abort({"prefill": 1, "decode": 2}, room=7, cp_size=2)
+    assert posted == [("/abort_request", 6)]  # not at the forward count (poll 3), not for rank 1 (poll 4)
+    record = entry["abort"]
+    assert record["forwards_before_abort"] == record["forwards_expected"] == expected
+    assert record["last_chunk_handed_over"] is True
