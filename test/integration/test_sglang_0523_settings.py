@@ -51,7 +51,7 @@ def _problems(server_args):
 
 def test_the_table_is_the_settings_layer_and_every_hook_is_in_place(plugin_loaded):
     table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
-    assert set(table) <= set(plugin_loaded) and len(table) == 9
+    assert set(table) <= set(plugin_loaded) and len(table) == 10
     assert missing_hooks(table) == []
 
 
@@ -133,3 +133,23 @@ def test_the_prefill_cuda_graph_is_turned_off_with_a_warning(hopper, breakable_b
 def test_a_prefill_cuda_graph_the_user_chose_is_refused(hopper, breakable_by_default, tiny_nsa_model):
     message = _problems(_args(tiny_nsa_model, "--cuda-graph-backend-prefill", "breakable"))
     assert "--cuda-graph-backend-prefill breakable" in message and "--disable-prefill-cuda-graph" in message
+
+
+def test_a_prefill_batch_holds_one_request_under_the_flag(hopper, tiny_nsa_model, capfd):
+    """Interleave CP deals a whole batch's tokens out; the shared-KV batch state takes one
+    sequence: the flag declares --prefill-max-requests 1 where it is unset (stock: no limit)."""
+    stock = _args(tiny_nsa_model, flag=None)
+    stock.resolve_once()
+    assert sg.resolved_view(stock).prefill_max_requests is None
+    ours = _args(tiny_nsa_model)
+    ours.resolve_once()
+    assert sg.resolved_view(ours).prefill_max_requests == 1
+    assert f"{FLAG}: --prefill-max-requests 1: a prefill batch holds one request" in capfd.readouterr().err
+    chosen = _args(tiny_nsa_model, "--prefill-max-requests", "1")
+    chosen.resolve_once()
+    assert sg.resolved_view(chosen).prefill_max_requests == 1
+
+
+def test_another_prefill_batch_size_is_refused_naming_the_fix(hopper, tiny_nsa_model):
+    message = _problems(_args(tiny_nsa_model, "--prefill-max-requests", "4"))
+    assert "--prefill-max-requests 4" in message and "set --prefill-max-requests 1" in message
