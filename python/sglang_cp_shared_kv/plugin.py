@@ -39,6 +39,8 @@ _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 _KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"  # 0.5.23
+_DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"  # 0.5.23
+_DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"  # 0.5.23
 
 
 @functools.cache
@@ -102,9 +104,11 @@ def _hook_table() -> Tuple[HookSpec, ...]:
 @functools.cache
 def _table_0523() -> Tuple[HookSpec, ...]:
     """SGLang 0.5.23, the port so far: the settings layer (:mod:`.server_args_dsa`), the
-    pool and capacity (:mod:`.capacity_dsa`) and the decode server (:mod:`.decode_server_dsa`)."""
+    pool and capacity (:mod:`.capacity_dsa`), the forward path under interleave CP
+    (:mod:`.forward.hooks_dsa`) and the decode server (:mod:`.decode_server_dsa`)."""
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa
     from sglang_cp_shared_kv import server_args_dsa as dsa
+    from sglang_cp_shared_kv.forward import hooks_dsa as forward
 
     return (
         HookSpec(f"{_SERVER_ARGS}.add_cli_args", dsa.add_flag_and_alias_to_parser, "after"),
@@ -115,6 +119,12 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_dsa.configure_shared_pools, "around"),
+        # --- forward path (interleave CP): owner-only writes of the gathered chunk, dense-view reads
+        HookSpec(f"{_DSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
+        HookSpec(f"{_DSA_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),
+        # a batch too short to deal out runs unsplit, its index key through SGLang's fused store
+        HookSpec(f"{_DSA_INDEXER}._fused_k_prepare_and_store", forward.fused_index_k_owned_and_dense, "around"),
+        HookSpec(f"{_DSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",

@@ -168,6 +168,11 @@ class CpSharedPoolMixin:
         with attributes_set(self, _index_write_target=(layer_id, buffer)):
             yield
 
+    @property
+    def directs_index_writes(self) -> bool:
+        """Within :meth:`index_writes_into`: an index store the plugin itself issued."""
+        return self._index_write_target is not None
+
     def get_index_k_with_scale_buffer(self, layer_id: int) -> torch.Tensor:
         target = self._index_write_target
         if target is None or target[0] != layer_id:

@@ -96,8 +96,8 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
 
-#: SGLang 0.5.23: its settings layer, the pool and capacity and the decode server (the
-#: forward and transfer hooks of the port add their names here).
+#: SGLang 0.5.23: its settings layer, the pool and capacity, the forward path and the decode
+#: server (the transfer hooks of the port add their names here).
 _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     # --- KV pool and allocator (subclassed; the configurator's module globals rebound while pools are built)
     "DSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool"),
@@ -111,6 +111,9 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     "can_use_fused_index_store": ("sglang.kernels.ops.kvcache.dsa_fused_store_index_cache",
                                   "can_use_dsa_fused_store"),
     "is_fp8_fnuz": ("sglang.kernels.ops.quantization.fp8_kernel", "is_fp8_fnuz"),
+    # --- DSA forward path (interleave CP): the CP group, the pool of the forward in flight
+    "get_attention_cp_group": ("sglang.srt.distributed.parallel_state", "get_attn_cp_group"),
+    "get_token_to_kv_pool": ("sglang.srt.model_executor.forward_context", "get_token_to_kv_pool"),
     # --- configuration (ServerArgs is a msgspec record resolved by named steps)
     "is_deepseek_dsa": ("sglang.srt.configs.model_config", "is_deepseek_dsa"),
     "model_config_of": ("sglang.srt.arg_groups.model_override_base", "model_config_of"),

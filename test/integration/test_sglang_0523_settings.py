@@ -49,10 +49,14 @@ def _problems(server_args):
     return str(exc.value)
 
 
-def test_the_table_is_the_settings_layer_and_every_hook_is_in_place(plugin_loaded):
+def test_the_0523_table_is_registered_and_every_hook_is_in_place(plugin_loaded):
     table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
-    assert set(table) <= set(plugin_loaded) and len(table) == 10
+    assert set(table) <= set(plugin_loaded) and len(table) == 14
     assert missing_hooks(table) == []
+    forward = {spec.target.rsplit(".", 2)[-2] + "." + spec.target.rsplit(".", 1)[-1] for spec in table
+               if ".dsa" in spec.target}
+    assert forward == {"DeepseekSparseAttnBackend.init_forward_metadata", "DeepseekSparseAttnBackend.forward_extend",
+                       "Indexer._store_index_k_cache", "Indexer._fused_k_prepare_and_store"}
 
 
 @pytest.mark.parametrize("spelling", [FLAG, FLAG_ALIAS])

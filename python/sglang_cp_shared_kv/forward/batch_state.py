@@ -78,12 +78,12 @@ def owned_rows_of(layout: CpSharedKVLayout, state: Optional[CpSharedBatchState],
     (``.contiguous()`` or ``.view`` of it) -- reuses the rows computed once per forward; any
     other location tensor is filtered here (one host synchronisation).
     """
-    if state is not None and _same_memory(loc, state.out_cache_loc):
+    if state is not None and same_memory(loc, state.out_cache_loc):
         return state.owned_rows, state.owned_physical_locs
     return _with_physical_locs(layout, loc, layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1))
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` reads exactly ``b``'s elements (same storage, offset, shape, strides, dtype).
 
     NOTE: ``out_cache_loc`` is not written during a forward, so equal memory means equal
@@ -172,8 +172,9 @@ def build_for_forward(pool, metadata, forward_batch, backend=None) -> Optional[C
             "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
     if forward_batch.batch_size != 1:
         raise NotImplementedError(
-            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; NSA in-seq-split "
-            "CP prefill runs one request per batch")
+            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; a shared-KV prefill rank "
+            "runs one request per batch (0.5.12.post1's in-seq split takes one; on 0.5.23 the flag sets "
+            "--prefill-max-requests 1)")
     prefix_len = int(forward_batch.extend_prefix_lens_cpu[0])
     extend_len = int(forward_batch.extend_seq_lens_cpu[0])
     num_pages = -(-(prefix_len + extend_len) // pool.page_size)

@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Optional
 
 from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.forward import batch_state as batch_state_module
-from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, prefetch, writes
+from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, steps, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked
 from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
+from sglang_cp_shared_kv.scoped import attributes_set
 
 
 def batch_state_of(forward_batch) -> Optional[CpSharedBatchState]:
@@ -38,22 +38,8 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     """AFTER ``NativeSparseAttnBackend.init_forward_metadata``: build the batch state, point
     the backend's page tables at the dense scratch, hand the state to the pool."""
     pool = forward_batch.token_to_kv_pool
-    if not isinstance(pool, CpSharedPoolMixin):
-        return result
-    pool.end_batch()
-    metadata = backend.forward_metadata
-    timer = pool.context.stage_timer
-    if timer is not None:
-        timer.begin_forward(forward_batch.out_cache_loc.device)
-    with marked("batch_state", timer):
-        state = batch_state_module.build_for_forward(pool, metadata, forward_batch, backend)
-    if state is None:  # idle batch
-        return result
-    dense = batch_state_module.dense_metadata(metadata, state)
-    if state.debug:
-        batch_state_module.check_batch_state(state, metadata, dense, pool)
-    backend.forward_metadata = dense
-    pool.begin_batch(state)
+    if isinstance(pool, CpSharedPoolMixin):
+        steps.begin_forward(pool, backend, forward_batch)
     return result
 
 
@@ -86,19 +72,18 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
         return original(indexer, forward_batch, layer_id, key, *args, **kwargs)
     pool = forward_batch.token_to_kv_pool
 
-    def sglang_store(batch, layer, keys):
-        original(indexer, batch, layer, keys, *args, **kwargs)
+    def sglang_store(keys, locs):  # 0.5.12.post1's store writes at forward_batch.out_cache_loc
+        with attributes_set(forward_batch, out_cache_loc=locs):
+            original(indexer, forward_batch, layer_id, keys, *args, **kwargs)
 
     plan = local_writes.plan_for(pool, forward_batch)
     if plan.index:
         with marked("owner_write", state.timer):
-            writes.store_local_index_rows(sglang_store, forward_batch, layer_id, _local_rows(plan, key, "index key"),
+            writes.store_local_index_rows(sglang_store, pool, layer_id, _local_rows(plan, key, "index key"),
                                           plan.physical_locs)
         materialize.materialize_index(state, pool, layer_id, None)
     else:
-        materialize.materialize_index(
-            state, pool, layer_id, lambda dense: writes.store_index_rows_into(
-                sglang_store, forward_batch, layer_id, key, dense, state.dense_out_locs))
+        steps.store_gathered_index_chunk(state, pool, layer_id, key, sglang_store)
     return None
 
 
@@ -132,14 +117,9 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
         chunk = None  # this rank's rows are in its shard; k holds only them: gather the view
     else:
         chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
-    # prefetched during the layer before, or gathered now
-    history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
-    try:
-        prefetch.prefetch_next(state, pool, layer.layer_id)
-        pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs)
-    finally:
-        pool.clear_views()  # this layer's index reads are done too
+    return steps.attend_on_dense_view(
+        state, pool, layer, chunk,
+        lambda: original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs))
 
 
 def all_gather_in_seq_order(original, input_tensor, cp_size, forward_batch, stream):

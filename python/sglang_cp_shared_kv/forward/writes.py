@@ -32,7 +32,6 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, owned_rows_of
-from sglang_cp_shared_kv.scoped import attributes_set
 
 
 # -------------------------------------------------------------------------- MLA rows
@@ -92,17 +91,15 @@ def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_s
     return _FUSED_INDEX_STORE[flags]
 
 
-def store_index_rows_into(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
-                          target: torch.Tensor, locs: torch.Tensor) -> None:
+def store_index_rows_into(sglang_store: Callable[[torch.Tensor, torch.Tensor], None], pool, layer_id: int,
+                          key: torch.Tensor, target: torch.Tensor, locs: torch.Tensor) -> None:
     """Index key ``key[i]`` at token location ``locs[i]`` of ``target`` (the layer's dense
-    view, or this rank's shard), by the fused kernel or by ``sglang_store(forward_batch,
-    layer_id, key)``: SGLang's own store, which writes at ``forward_batch.out_cache_loc``
-    into the buffer the pool names for the layer."""
-    pool = forward_batch.token_to_kv_pool
-
+    view, or this rank's shard), by the fused kernel or by ``sglang_store(key, locs)``:
+    SGLang's own store of ``key`` at ``locs`` into the buffer the pool names for the layer
+    (each release's hook says how SGLang's store is told the locations)."""
     def stock():
-        with attributes_set(forward_batch, out_cache_loc=locs), pool.index_writes_into(layer_id, target):
-            sglang_store(forward_batch, layer_id, key)
+        with pool.index_writes_into(layer_id, target):
+            sglang_store(key, locs)
 
     if _sglang_uses_fused_index_store(key, locs, pool.page_size):
         pool.context.kernels.store_index_rows(target, None, locs, key, stock=stock, page_size=pool.page_size)
@@ -110,13 +107,11 @@ def store_index_rows_into(sglang_store: Callable, forward_batch, layer_id: int, 
         stock()
 
 
-def store_local_index_rows(sglang_store: Callable, forward_batch, layer_id: int, key: torch.Tensor,
-                           physical_locs: torch.Tensor) -> None:
+def store_local_index_rows(sglang_store: Callable[[torch.Tensor, torch.Tensor], None], pool, layer_id: int,
+                           key: torch.Tensor, physical_locs: torch.Tensor) -> None:
     """Index key ``key[i]`` at ``physical_locs[i]`` of this rank's shard: the keys this rank
     computed, all on pages it owns (``forward.local_writes``)."""
-    pool = forward_batch.token_to_kv_pool
-    store_index_rows_into(sglang_store, forward_batch, layer_id, key, pool.physical_index_buffer(layer_id),
-                          physical_locs)
+    store_index_rows_into(sglang_store, pool, layer_id, key, pool.physical_index_buffer(layer_id), physical_locs)
 
 
 # ------------------------------------------------------------------------ owner copy

@@ -1,0 +1,70 @@
+"""The steps of one shared-KV prefill forward that every release's hooks take the same way
+(:mod:`.hooks` on 0.5.12.post1, :mod:`.hooks_dsa` on 0.5.23); the hooks only find the pool
+and the batch in their release's arguments and call these.
+
+* :func:`begin_forward` -- once per forward, after the attention backend's metadata: the
+  batch state (:mod:`.batch_state`) on the pool, the backend's page tables pointed at the
+  dense scratch;
+* :func:`store_gathered_index_chunk` -- per layer, the index key of the whole chunk (every
+  rank holds all of it after SGLang's all-gather): the layer's dense index view, the chunk
+  stored into it by SGLang's store, this rank's owned rows copied into its shard;
+* :func:`attend_on_dense_view` -- per layer, the MLA history (prefetched or gathered now),
+  the next layer's prefetch started, the chunk into the view and the owned rows into the
+  shard, then SGLang's ``forward_extend`` reading that view and storing nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from sglang_cp_shared_kv.forward import batch_state as batch_state_module
+from sglang_cp_shared_kv.forward import materialize, prefetch, writes
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.nvtx import marked
+
+
+def begin_forward(pool, backend, forward_batch) -> Optional[CpSharedBatchState]:
+    """The batch state of ``forward_batch`` on ``pool`` (None: an idle batch), handed to the
+    pool, with ``backend.forward_metadata`` translated to the dense scratch."""
+    pool.end_batch()
+    metadata = backend.forward_metadata
+    timer = pool.context.stage_timer
+    if timer is not None:
+        timer.begin_forward(forward_batch.out_cache_loc.device)
+    with marked("batch_state", timer):
+        state = batch_state_module.build_for_forward(pool, metadata, forward_batch, backend)
+    if state is None:
+        return None
+    dense = batch_state_module.dense_metadata(metadata, state)
+    if state.debug:
+        batch_state_module.check_batch_state(state, metadata, dense, pool)
+    backend.forward_metadata = dense
+    pool.begin_batch(state)
+    return state
+
+
+def store_gathered_index_chunk(state: CpSharedBatchState, pool, layer_id: int, key: torch.Tensor,
+                               sglang_store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    """The layer's dense index view: history from the shards, ``key`` (one row per row of the
+    batch's ``out_cache_loc``) stored into it by ``sglang_store(keys, locs)`` or the fused
+    kernel, this rank's owned rows copied from it into the shard."""
+    materialize.materialize_index(
+        state, pool, layer_id,
+        lambda dense: writes.store_index_rows_into(sglang_store, pool, layer_id, key, dense, state.dense_out_locs))
+
+
+def attend_on_dense_view(state: CpSharedBatchState, pool, layer,
+                         chunk: Optional[Tuple[torch.Tensor, torch.Tensor]], attend: Callable[[], object]):
+    """``attend()`` (SGLang's ``forward_extend`` with ``save_kv_cache=False``) over the
+    layer's complete dense MLA view: ``chunk`` = (k_nope, k_rope) of every chunk row stored
+    into it, or with ``chunk`` None the chunk's rows gathered from the shards too."""
+    # prefetched during the layer before, or gathered now
+    history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
+    try:
+        prefetch.prefetch_next(state, pool, layer.layer_id)
+        pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
+        return attend()
+    finally:
+        pool.clear_views()  # this layer's index reads are done too
