@@ -57,8 +57,9 @@ CP_STRATEGY = "interleave"
 #: and gathers it itself there too: ``all_gather_dsa_trtllm_fp8_kv``).
 SUPPORTED_DSA_PREFILL_BACKENDS = SUPPORTED_NSA_PREFILL_BACKENDS
 NOT_PORTED = (
-    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings and builds its "
-    "shared-KV pool there, but its forward and PD transfer hooks are not ported to this SGLang yet; serve with "
+    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings, builds its "
+    "shared-KV pool and runs its forward there, but its PD transfer hooks (Mooncake) are not ported to this "
+    "SGLang yet; serve with "
     f"sglang=={sg.SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag (docs/design.md, "
     f"'The CP strategy on {sg.PORT_IN_PROGRESS_VERSION}').")
 

@@ -30,7 +30,7 @@ def allocation_standins() -> Iterator[None]:
     """SGLang's allocation kernels as their torch stand-ins, for the block only."""
     saved = []
     try:
-        for module_name, attribute, standin in torch_standins.STANDINS:
+        for module_name, attribute, standin in torch_standins.STANDINS_0512:
             if module_name == "sglang.srt.mem_cache.allocator":
                 module = importlib.import_module(module_name)
                 saved.append((module, attribute, getattr(module, attribute)))

@@ -28,8 +28,9 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 def stock_forward_extend_inputs(backend, q, k, v, layer, forward_batch, save_kv_cache=True, k_rope=None,
                                 topk_indices=None, fp8=False, **_):
     """What the stock ``forward_extend`` does before its kernel call, and what the kernel
-    would read: store the chunk (when asked), fetch the KV cache, select rows."""
-    pool = forward_batch.token_to_kv_pool
+    would read: store the chunk (when asked), fetch the KV cache, select rows. The pool is the
+    batch's (0.5.12.post1) or the backend's (0.5.23's ``ForwardBatch`` carries none)."""
+    pool = getattr(forward_batch, "token_to_kv_pool", None) or backend.token_to_kv_pool
     if save_kv_cache:
         pool.set_mla_kv_buffer(layer, forward_batch.out_cache_loc, k, k_rope)
     kv_cache = pool.get_key_buffer(layer.layer_id)

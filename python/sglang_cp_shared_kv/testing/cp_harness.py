@@ -79,6 +79,12 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
     port = free_port()
     per_rank = run_rank_processes(ctx, _rank_main, n, out_dir, args=(n, port, out_dir, jobs, device),
                                   timeout_s=timeout_s, what="CP harness")
+    return merge_rank_outcomes(per_rank)
+
+
+def merge_rank_outcomes(per_rank: List[dict]) -> Dict[str, dict]:
+    """Each job's outcome over all ranks: every rank's errors (named), rank 0's stats, each
+    rank's all-gather counts, and an error where a rank's allocator decided differently."""
     merged: Dict[str, dict] = {}
     for r, result in enumerate(per_rank):
         for key, outcome in result["scenarios"].items():

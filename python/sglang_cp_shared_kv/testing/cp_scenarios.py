@@ -172,3 +172,12 @@ SCENARIOS: Dict[str, Callable[[Rig], None]] = {
                             fewer_pages_than_ranks, full_view_fallback, aligned_chunked_prefill,
                             aligned_radix_hit, corrupted_shard_is_detected, lane_exhaustion, soak)
 }
+
+#: The scenarios of the 0.5.23 harness (``cp_harness_dsa``, interleave CP). Left out: the
+#: page-by-page chunks (local writes) and lane exhaustion, which exercise 0.5.12.post1's
+#: compute-owner allocation and local writes; interleave has neither (docs/design.md).
+INTERLEAVE_SCENARIOS: Dict[str, Callable[[Rig], None]] = {
+    name: SCENARIOS[name] for name in ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
+                                       "fewer_pages_than_ranks", "full_view_fallback",
+                                       "corrupted_shard_is_detected", "soak")
+}

@@ -157,8 +157,10 @@ def get_k_and_s_reference(buf, page_indices, seq_lens, seq_len_sum, max_seq_len,
     return torch.cat(ks), torch.cat(ss)
 
 
-# (module, attribute, torch stand-in): every SGLang Triton entry point the CPU tests replace.
-STANDINS = (
+# (module, attribute, torch stand-in): every SGLang Triton entry point the CPU tests replace,
+# per release (0.5.23 moved the index-K accessor to ``sglang.kernels``; its allocator has a
+# CPU path of its own, and its indexer takes ``act_quant`` from the caller, the rigs).
+STANDINS_0512 = (
     ("sglang.srt.mem_cache.allocator", "alloc_extend_kernel", ALLOC_EXTEND_STANDIN),
     ("sglang.srt.mem_cache.allocator", "alloc_decode_kernel", ALLOC_DECODE_STANDIN),
     ("sglang.srt.mem_cache.memory_pool", "set_mla_kv_buffer_triton", set_mla_kv_buffer_reference),
@@ -169,11 +171,22 @@ STANDINS = (
     ("sglang.srt.layers.attention.nsa.index_buf_accessor", "_get_s_triton", get_s_reference),
     ("sglang.srt.layers.attention.nsa.index_buf_accessor", "_get_k_and_s_triton", get_k_and_s_reference),
 )
+STANDINS_0523 = (
+    ("sglang.srt.mem_cache.memory_pool", "set_mla_kv_buffer_triton", set_mla_kv_buffer_reference),
+    ("sglang.srt.mem_cache.memory_pool", "quantize_k_cache_separate", quantize_k_cache_separate_reference),
+    ("sglang.kernels.ops.kvcache.dsa_index_k_cache", "_set_k_and_s_triton", set_k_and_s_reference),
+    ("sglang.kernels.ops.kvcache.dsa_index_k_cache", "_get_k_and_s_triton", get_k_and_s_reference),
+)
 
 
 def install(setattr_fn=setattr):
     """Put every stand-in in place (``setattr_fn``: pytest's ``monkeypatch.setattr`` to undo it)."""
     import importlib
 
-    for module, attribute, standin in STANDINS:
+    from sglang_cp_shared_kv import sglang_api as sg
+
+    for module, attribute, standin in STANDINS_BY_VERSION[sg.table_version(sg.installed_sglang_version())]:
         setattr_fn(importlib.import_module(module), attribute, standin)
+
+
+STANDINS_BY_VERSION = {"0.5.12.post1": STANDINS_0512, "0.5.23": STANDINS_0523}
