@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
+from sglang_cp_shared_kv.testing.cp_harness import assert_clean, run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback", "aligned_chunked_prefill", "aligned_radix_hit")
@@ -57,18 +57,10 @@ def group(request):
     return request.param, run_cp_group(request.param, jobs, timeout_s=900)
 
 
-def _assert_clean(results, scenario):
-    outcomes = {k: v for k, v in results.items() if k.startswith(scenario + "/")}
-    assert outcomes, f"{scenario} did not run"
-    failures = {k: v["errors"] for k, v in outcomes.items() if v["errors"]}
-    assert not failures, failures
-    return outcomes
-
-
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_scenario_bit_exact(group, scenario):
     n, results = group
-    outcomes = _assert_clean(results, scenario)
+    outcomes = assert_clean(results, scenario)
     plain = {k: v for k, v in outcomes.items() if "prefetch" not in k and "host_syncs" not in k}
     assert len(plain) == len(DTYPES) * len(debug_modes(n))  # (and the prefetch and host-sync runs below)
     assert all(v["stats"]["topk_rows"] > 0 for v in outcomes.values())
@@ -78,7 +70,7 @@ def test_each_chunk_row_is_quantised_once_per_layer(group):
     """One store of the chunk per layer (into the dense view: MLA and index), and one owner
     copy from the view into the shard: no second store of the owned rows."""
     n, results = group
-    for key, outcome in _assert_clean(results, "chunked_prefill").items():
+    for key, outcome in assert_clean(results, "chunked_prefill").items():
         stats = outcome["stats"]
         layers = stats["layers"]
         assert layers > 0 and stats["shard_rows_compared"] > 0, key
@@ -103,7 +95,7 @@ def test_local_writes_leave_out_sglangs_chunk_gathers(group):
     is gathered by SGLang and copied out of the views (phase 3). Bit-exact either way (the
     scenario test above)."""
     n, results = group
-    for key, outcome in _assert_clean(results, "aligned_chunked_prefill").items():
+    for key, outcome in assert_clean(results, "aligned_chunked_prefill").items():
         stats, paths = outcome["stats"], ALIGNED_PATHS[key.split("/")[1]]
         assert stats["write_paths"] == dict(Counter(paths)), (key, stats["write_paths"])
         per_forward = stats["layers"] // stats["forwards"]
@@ -120,7 +112,7 @@ def test_soak_bit_exact(group):
     n, results = group
     if n not in SOAK_N:
         pytest.skip(f"the soak runs at N in {SOAK_N}")
-    outcomes = _assert_clean(results, "soak")
+    outcomes = assert_clean(results, "soak")
     for stats in (v["stats"] for v in outcomes.values()):
         assert stats["mixes"] >= 200 and stats["forwards"] >= 200
         # the mixes exercise both allocation paths: compute-owner chunks and short (interleaved) ones
@@ -135,7 +127,7 @@ def test_lane_exhaustion_falls_back_alike_on_every_rank(group):
     (the harness fails a scenario whose ranks' allocator decisions differ), stays bit-exact,
     and the next chunk is compute-owner again."""
     n, results = group
-    for key, outcome in _assert_clean(results, "lane_exhaustion").items():
+    for key, outcome in assert_clean(results, "lane_exhaustion").items():
         stats = outcome["stats"]
         assert stats["lane_fallbacks"] == 1 and stats["compute_owner_after"] == 1
         # the fallback chunk's interleaved pages are gathered; the next chunk (no prefix) is

@@ -16,6 +16,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
     pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
 
+from sglang_cp_shared_kv.testing.cp_harness import assert_clean  # noqa: E402
 from sglang_cp_shared_kv.testing.cp_harness_dsa import run_interleave_cp_group  # noqa: E402
 
 #: each scenario's chunk lengths (cp_scenarios.py): SGLang deals a chunk out only when it has
@@ -40,21 +41,13 @@ def group(request, tiny_nsa_model):
     return n, run_interleave_cp_group(n, jobs, tiny_nsa_model, timeout_s=900)
 
 
-def _clean(results, scenario):
-    outcomes = {k: v for k, v in results.items() if k.startswith(scenario + "/")}
-    assert outcomes, f"{scenario} did not run"
-    failures = {k: v["errors"] for k, v in outcomes.items() if v["errors"]}
-    assert not failures, failures
-    return outcomes
-
-
 @pytest.mark.parametrize("scenario", sorted(CHUNKS))
 def test_scenario_bit_exact(group, scenario):
     """Every index K/scale read, top-k, KV row a kernel could read, reference attention output
     and owned shard row equals the replicated pool's; SGLang's interleave all-gathers returned
     the chunk in token order; each chunk SGLang deals out was dealt out, the rest ran unsplit."""
     n, results = group
-    outcomes = _clean(results, scenario)
+    outcomes = assert_clean(results, scenario)
     assert len([k for k in outcomes if "prefetch" not in k]) == len(DTYPES)
     for key, outcome in outcomes.items():
         stats = outcome["stats"]
@@ -69,12 +62,12 @@ def test_each_chunk_row_is_stored_once_per_layer_then_copied_to_its_owner(group)
     another writer stored before, through the pool: only the owned rows, if any) the MLA
     owner copy is left out."""
     n, results = group
-    for key, outcome in _clean(results, "chunked_prefill").items():
+    for key, outcome in assert_clean(results, "chunked_prefill").items():
         stats = outcome["stats"]
         layers = stats["layers"]
         assert stats["kernel_calls"] == {"sglang_index_store": layers, "copy_index_rows": layers,
                                          "store_mla_rows": layers, "copy_mla_rows": layers}, key
-    for key, outcome in _clean(results, "full_view_fallback").items():
+    for key, outcome in assert_clean(results, "full_view_fallback").items():
         stats, full_view_layers = outcome["stats"], 3  # layers (0, 1), then (1,)
         calls, layers = stats["kernel_calls"], stats["layers"]
         assert calls["sglang_index_store"] == calls["copy_index_rows"] == layers, key
@@ -86,7 +79,7 @@ def test_soak_bit_exact(group):
     n, results = group
     if n not in SOAK_N:
         pytest.skip(f"the soak runs at N in {SOAK_N}")
-    for key, outcome in _clean(results, "soak").items():
+    for key, outcome in assert_clean(results, "soak").items():
         assert outcome["stats"]["mixes"] == 200 and outcome["stats"]["split_forwards"] > 0, key
 
 

@@ -98,6 +98,16 @@ def merge_rank_outcomes(per_rank: List[dict]) -> Dict[str, dict]:
     return merged
 
 
+def assert_clean(results: Dict[str, dict], scenario: str) -> Dict[str, dict]:
+    """The merged outcomes of ``scenario`` (every dtype and option it ran with), asserted to
+    exist and to carry no error."""
+    outcomes = {k: v for k, v in results.items() if k.startswith(scenario + "/")}
+    assert outcomes, f"{scenario} did not run"
+    failures = {k: v["errors"] for k, v in outcomes.items() if v["errors"]}
+    assert not failures, failures
+    return outcomes
+
+
 # ============================================================== rank side
 def _rank_main(rank, n, port, out_dir, jobs, device):
     result: dict = {"scenarios": {}}
@@ -123,10 +133,16 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
             result["scenarios"][key] = {"errors": rig.errors[:20], "stats": rig.stats}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["fatal"] = traceback.format_exc()[-4000:]
+    finish_rank(out_dir, rank, result)
+
+
+def finish_rank(out_dir: str, rank: int, result: dict) -> None:
+    """Write the rank's ``result`` where the parent reads it, and end the process (a failed
+    rank makes the parent stop the others)."""
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+    os._exit(1 if "fatal" in result else 0)
 
 
 @contextlib.contextmanager

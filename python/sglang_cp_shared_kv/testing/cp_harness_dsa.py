@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
-import sys
 import tempfile
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_harness import _all_gathers_recorded, merge_rank_outcomes
+from sglang_cp_shared_kv.testing.cp_harness import _all_gathers_recorded, finish_rank, merge_rank_outcomes
 from sglang_cp_shared_kv.testing.cp_scenarios import INTERLEAVE_SCENARIOS
 from sglang_cp_shared_kv.testing.support import all_gather_through_gloo, free_port, run_rank_processes
 
@@ -99,7 +95,4 @@ def _rank_main(rank, n, port, out_dir, jobs, model_dir):
                 result["scenarios"][key] = {"errors": rig.errors[:20], "stats": rig.stats}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["fatal"] = traceback.format_exc()[-4000:]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if "fatal" in result else 0)  # a failed rank makes the parent stop the others
+    finish_rank(out_dir, rank, result)

@@ -70,6 +70,20 @@ def _cuda_streams_on(device: str):
 
 
 @dataclass
+class RigForward:
+    """One forward of the rig: the shared pool's batch and backend, the replicated pool's,
+    the batch's ``out_cache_loc`` (chunk rows, then SGLang's padding rows, if any) and what a
+    release's rig keeps besides (``extra``)."""
+
+    fb_s: object
+    be_s: object
+    fb_r: object
+    be_r: object
+    out_cache_loc: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
 class Request:
     slot: int
     seq_len: int = 0
@@ -83,12 +97,8 @@ class Rig:
                  physical_pages: int = 24, prefetch: bool = False):
         """``group``: SGLang's attention-CP ``GroupCoordinator``; ``prefetch``: gather each
         layer's MLA history one layer ahead on a second group (``forward.prefetch``)."""
-        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-
-        from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
         from sglang_cp_shared_kv.context import CpSharedKVContext
         from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-        from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
 
         self.rank, self.n, self.dtype_name, self.device, self.debug = rank, n, dtype_name, device, debug
         dtype, dim = DTYPES[dtype_name]
@@ -98,9 +108,7 @@ class Rig:
                       kv_cache_dim=dim)
         logical = physical_pages * PAGE * n
         self.layout = CpSharedKVLayout(PAGE, n, rank)
-        self.shared = CpSharedNSATokenToKVPool(logical, context=CpSharedKVContext(self.layout), **kwargs)
-        self.replicated = NSATokenToKVPool(logical, **kwargs)
-        self.allocator = CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, dtype, device, self.shared, True)
+        self.shared, self.replicated, self.allocator = self._pools(logical, CpSharedKVContext(self.layout), kwargs)
         if prefetch:
             from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
 
@@ -117,6 +125,18 @@ class Rig:
         self.host_syncs = None
         #: the stock ``forward_extend`` the shared pool's hook wraps (the harness may slow it down)
         self.shared_forward_extend = stock_forward_extend_inputs
+
+    def _pools(self, logical: int, context, kwargs):
+        """(the plugin's shared pool, a stock replicated pool, the plugin's allocator) of
+        ``logical`` tokens: 0.5.12.post1's NSA classes and the compute-owner allocator."""
+        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
+
+        from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
+        from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+
+        shared = CpSharedNSATokenToKVPool(logical, context=context, **kwargs)
+        allocator = CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, kwargs["dtype"], self.device, shared, True)
+        return shared, NSATokenToKVPool(logical, **kwargs), allocator
 
     @staticmethod
     def _count_writes(kernels, counts: dict) -> None:
@@ -179,9 +199,11 @@ class Rig:
         return True
 
     # ------------------------------------------------------------ forward
-    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
-        from sglang.srt.layers.attention.nsa_backend import NSAMetadata, TopkTransformMethod
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    def _one_request_fields(self, req, prefix: int, extend_len: int, out_cache_loc, sparse: str):
+        """(attention metadata fields, ``ForwardBatch`` fields) of one request's extend, as the
+        sparse-attention backend's ``init_forward_metadata`` builds them; ``sparse``: the
+        release's prefix of the sparse fields ("nsa" on 0.5.12.post1, "dsa" on 0.5.23)."""
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         seq_len = prefix + extend_len
         dev = self.device
@@ -191,22 +213,30 @@ class Rig:
         cu_q = torch.tensor([0, extend_len], dtype=torch.int32, device=dev)
         expanded = torch.arange(prefix + 1, seq_len + 1, dtype=torch.int32, device=dev)
         ragged = self.fp8 and prefix > 0  # fp8 + flashmla_sparse reads page_table_1_flattened
-        metadata = NSAMetadata(
-            page_size=PAGE, cache_seqlens_int32=seqlens, max_seq_len_q=extend_len, max_seq_len_k=seq_len,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, page_table_1=page_table,
-            real_page_table=page_table[:, ::PAGE] // PAGE,
-            nsa_cache_seqlens_int32=expanded.clamp(max=TOPK), nsa_cu_seqlens_q=cu_q,
-            nsa_cu_seqlens_k=cu_k, nsa_extend_seq_lens_list=[extend_len], nsa_seqlens_expanded=expanded,
-            seq_lens_sum=seq_len, page_table_1_flattened=page_table[0, :seq_len] if ragged else None,
-        )
-        fb = ForwardBatch(
+        metadata = {
+            "page_size": PAGE, "cache_seqlens_int32": seqlens, "max_seq_len_q": extend_len, "max_seq_len_k": seq_len,
+            "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "page_table_1": page_table,
+            "real_page_table": page_table[:, ::PAGE] // PAGE, f"{sparse}_cache_seqlens_int32": expanded.clamp(max=TOPK),
+            f"{sparse}_cu_seqlens_q": cu_q, f"{sparse}_cu_seqlens_k": cu_k,
+            f"{sparse}_extend_seq_lens_list": [extend_len], f"{sparse}_seqlens_expanded": expanded,
+            "seq_lens_sum": seq_len, "page_table_1_flattened": page_table[0, :seq_len] if ragged else None,
+        }
+        batch = dict(
             forward_mode=ForwardMode.EXTEND, batch_size=1,
             input_ids=torch.zeros(out_cache_loc.numel(), dtype=torch.int64, device=dev),
             req_pool_indices=torch.tensor([req.slot], device=dev), seq_lens=seqlens.long(),
             out_cache_loc=out_cache_loc, seq_lens_sum=seq_len, seq_lens_cpu=torch.tensor([seq_len]),
-            extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len],
-            extend_num_tokens=extend_len, token_to_kv_pool=pool,
+            extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len], extend_num_tokens=extend_len,
         )
+        return metadata, batch
+
+    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
+        from sglang.srt.layers.attention.nsa_backend import NSAMetadata, TopkTransformMethod
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+        metadata_fields, batch_fields = self._one_request_fields(req, prefix, extend_len, out_cache_loc, "nsa")
+        metadata = NSAMetadata(**metadata_fields)
+        fb = ForwardBatch(**batch_fields, token_to_kv_pool=pool)
         # fp8 KV reads through flashmla_sparse's RAGGED top-k transform (the plugin's choice for
         # fp8 + in-seq split), bf16 through PAGED -- as NativeSparseAttnBackend decides it
         method = TopkTransformMethod.RAGGED if self.fp8 else TopkTransformMethod.PAGED
@@ -297,26 +327,55 @@ class Rig:
     def _rand(self, gen, *shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen).to(dtype).to(self.device)
 
-    def run_forward(self, req, prefix, extend_len, locs, full_view_layers, pad_rows):
-        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
-        from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
+    # ------------------------------------------------------------ one forward
+    def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> "RigForward":
+        """The forward's batches and backends (the shared pool's through the plugin's
+        ``init_forward_metadata`` hook), then SGLang's in-seq CP metadata, as the model builds
+        it after the backend's. SGLang pads the CP chunk with ``pad_rows`` location-0 rows."""
+        from sglang_cp_shared_kv.forward.hooks import attach_batch_state
 
-        from sglang_cp_shared_kv.forward.hooks import (
-            attach_batch_state,
-            forward_extend_on_dense_view,
-            store_index_k_owned_and_dense,
-        )
-
-        seq_len = prefix + extend_len
-        debug_on = self.debug == "on" or (self.debug == "alternate" and self.forward_counter % 2 == 1)
-        os.environ[DEBUG_ENV] = "1" if debug_on else "0"  # read once per batch, by attach_batch_state
-        rows = extend_len + pad_rows  # SGLang pads the CP chunk with location-0 rows
         out_cache_loc = torch.cat([locs, torch.zeros(pad_rows, dtype=torch.int64, device=self.device)])
         fb_s, be_s = self._batch(self.shared, req, prefix, extend_len, out_cache_loc)
         fb_r, be_r = self._batch(self.replicated, req, prefix, extend_len, out_cache_loc)
         self._phase(None, forward_start=True)
         attach_batch_state(None, be_s, fb_s)
-        fb_s.attn_cp_metadata = self._cp_metadata(fb_s, rows, seq_len)  # built by the model, after the backend's
+        fb_s.attn_cp_metadata = self._cp_metadata(fb_s, extend_len + pad_rows, prefix + extend_len)
+        return RigForward(fb_s, be_s, fb_r, be_r, out_cache_loc)
+
+    def _store_index(self, forward: "RigForward", layer_id: int, key: torch.Tensor) -> None:
+        """The layer's index keys into both pools: the shared one through the plugin's hook
+        around SGLang's store (the keys as SGLang's all-gather hands them over), the
+        replicated one by SGLang's store of the whole chunk."""
+        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
+        from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
+
+        from sglang_cp_shared_kv.forward.hooks import store_index_k_owned_and_dense
+
+        store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, forward.fb_s, layer_id,
+                                      self._index_key(forward.fb_s, key), act_quant=act_quant)
+        Indexer._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key, act_quant=act_quant)
+
+    def _forward_extend_hook(self):
+        """The plugin's hook around the backend's ``forward_extend`` (0.5.12.post1's)."""
+        from sglang_cp_shared_kv.forward.hooks import forward_extend_on_dense_view
+
+        return forward_extend_on_dense_view
+
+    def _end_forward(self) -> None:
+        """How the forward's chunk reached the shards (the local-writes decision), counted."""
+        plan = self.shared.local_writes[1] if self.shared.local_writes is not None else None
+        if plan is not None:
+            paths = self.stats.setdefault("write_paths", {})
+            key = f"index={'local' if plan.index else 'gathered'},mla={'local' if plan.mla else 'gathered'}"
+            paths[key] = paths.get(key, 0) + 1
+
+    def run_forward(self, req, prefix, extend_len, locs, full_view_layers, pad_rows):
+        seq_len = prefix + extend_len
+        debug_on = self.debug == "on" or (self.debug == "alternate" and self.forward_counter % 2 == 1)
+        os.environ[DEBUG_ENV] = "1" if debug_on else "0"  # read once per batch, by attach_batch_state
+        forward = self._begin_forward(req, prefix, extend_len, locs, pad_rows)
+        fb_s, be_s, fb_r, be_r = forward.fb_s, forward.be_s, forward.fb_r, forward.be_r
+        rows = forward.out_cache_loc.numel()
         gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
         self.forward_counter += 1
         for layer in self.layers:
@@ -324,10 +383,7 @@ class Rig:
             self._phase(lid)
             where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
             # ---- indexer: store, then what its kernels read
-            key = self._rand(gen, rows, INDEX_DIM)
-            store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, lid,
-                                          self._index_key(fb_s, key), act_quant=act_quant)
-            Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant)
+            self._store_index(forward, lid, self._rand(gen, rows, INDEX_DIM))
             k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
             queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
                                               torch.tensor([extend_len - 1])])).to(self.device)
@@ -343,11 +399,10 @@ class Rig:
             k_nope_s, k_rope_s = self._latent(fb_s, layer, k_nope, k_rope)
             save = lid not in full_view_layers
             if not save:  # the chunk was stored earlier by another writer: full-view read
-                self.shared.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
-                self.replicated.set_mla_kv_buffer(layer, out_cache_loc, k_nope, k_rope)
-            got = forward_extend_on_dense_view(self.shared_forward_extend, be_s, q, k_nope_s, k_nope_s, layer,
-                                               fb_s, save_kv_cache=save, k_rope=k_rope_s, topk_indices=topk_s,
-                                               fp8=self.fp8)
+                self.shared.set_mla_kv_buffer(layer, forward.out_cache_loc, k_nope, k_rope)
+                self.replicated.set_mla_kv_buffer(layer, forward.out_cache_loc, k_nope, k_rope)
+            got = self._forward_extend_hook()(self.shared_forward_extend, be_s, q, k_nope_s, k_nope_s, layer, fb_s,
+                                              save_kv_cache=save, k_rope=k_rope_s, topk_indices=topk_s, fp8=self.fp8)
             want = stock_forward_extend_inputs(be_r, q, k_nope, k_nope, layer, fb_r, save_kv_cache=save,
                                                k_rope=k_rope, topk_indices=topk_r, fp8=self.fp8)
             for name in want:
@@ -355,11 +410,7 @@ class Rig:
             self._phase(None)  # the rig's own bookkeeping below is not the forward's
             self.stats["layers"] += 1
             self.stats["topk_rows"] += int((positions >= 0).sum())
-        plan = self.shared.local_writes[1] if self.shared.local_writes is not None else None
-        if plan is not None:
-            paths = self.stats.setdefault("write_paths", {})
-            key = f"index={'local' if plan.index else 'gathered'},mla={'local' if plan.mla else 'gathered'}"
-            paths[key] = paths.get(key, 0) + 1
+        self._end_forward()
         self._compare_shard_writes(f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len})", locs)
         self.stats["forwards"] += 1
         self.shared.end_batch()

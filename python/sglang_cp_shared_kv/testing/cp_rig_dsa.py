@@ -23,33 +23,14 @@ a CPU: :func:`.attention_reference.stock_forward_extend_inputs` stands for the s
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
 
-from sglang_cp_shared_kv.config import DEBUG_ENV
-from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
 from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK as KV_LORA_RANK
-from sglang_cp_shared_kv.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.testing.attention_reference import (
-    TOPK,
-    reference_topk,
-    stock_forward_extend_inputs,
-    transform_topk,
-)
-from sglang_cp_shared_kv.testing.cp_rig import (
-    DTYPES,
-    INDEX_HEADS,
-    LAYERS,
-    MAX_LEN,
-    MAX_REQS,
-    Q_HEADS,
-    QUERY_STRIDE,
-    Rig,
-    _cuda_streams_on,
-)
+from sglang_cp_shared_kv.testing.cp_rig import Rig, RigForward, _cuda_streams_on
+from sglang_cp_shared_kv.testing.torch_standins import act_quant_reference
 
 
 class InterleaveRig(Rig):
@@ -60,70 +41,32 @@ class InterleaveRig(Rig):
                  physical_pages: int = 24, prefetch: bool = False):
         """Inside the rank's runtime context (``get_parallel()`` answers CP rank ``rank`` of
         ``n``); ``group``: its attention-CP ``GroupCoordinator``."""
+        super().__init__(rank, n, dtype_name, group, device, debug=debug, physical_pages=physical_pages,
+                         prefetch=prefetch)
+        self.stats["split_forwards"] = 0  # forwards SGLang dealt out (the rest ran unsplit)
+
+    def _pools(self, logical: int, context, kwargs):
+        """0.5.23's DSA pool beside the plugin's, and the plugin's interleave allocator."""
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 
         from sglang_cp_shared_kv.allocator import CpSharedInterleavedPagesAllocator
-        from sglang_cp_shared_kv.context import CpSharedKVContext
-        from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
         from sglang_cp_shared_kv.pool_dsa import CpSharedDSATokenToKVPool
 
-        self.rank, self.n, self.dtype_name, self.device, self.debug = rank, n, dtype_name, device, debug
-        dtype, dim = DTYPES[dtype_name]
-        self.fp8 = dtype_name == "fp8_e4m3"
-        kwargs = dict(page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=dtype, qk_rope_head_dim=ROPE_DIM,
-                      layer_num=LAYERS, device=device, index_head_dim=INDEX_DIM, enable_memory_saver=False,
-                      kv_cache_dim=dim)
-        logical = physical_pages * PAGE * n
-        self.layout = CpSharedKVLayout(PAGE, n, rank)
-        self.shared = CpSharedDSATokenToKVPool(logical, context=CpSharedKVContext(self.layout), **kwargs)
-        self.replicated = DSATokenToKVPool(logical, **kwargs)
-        self.allocator = CpSharedInterleavedPagesAllocator(logical, PAGE, dtype, device, self.shared, True)
-        if prefetch:
-            from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
-
-            self.shared.context.prefetch_group = new_prefetch_group(group)
-        self.req_to_token = torch.zeros((MAX_REQS, MAX_LEN), dtype=torch.int32, device=device)
-        self.free_slots = list(range(MAX_REQS))
-        self.indexer = SimpleNamespace(block_size=128, scale_fmt=None)
-        self.layers = [SimpleNamespace(layer_id=i) for i in range(LAYERS)]
-        self.errors = []
-        self.stats = {"forwards": 0, "layers": 0, "topk_rows": 0, "kernel_calls": {}, "split_forwards": 0}
-        self._count_writes(self.shared.context.kernels, self.stats["kernel_calls"])
-        self.forward_counter = 0
-        self.host_syncs = None
-        self.shared_forward_extend = stock_forward_extend_inputs
+        shared = CpSharedDSATokenToKVPool(logical, context=context, **kwargs)
+        allocator = CpSharedInterleavedPagesAllocator(logical, PAGE, kwargs["dtype"], self.device, shared, True)
+        return shared, DSATokenToKVPool(logical, **kwargs), allocator
 
     # ------------------------------------------------------------ forward
     def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
         """0.5.23's ``ForwardBatch`` and the DSA metadata of one request, its backend (the
         pool it holds) and the ``ForwardContext`` SGLang publishes around the forward."""
         from sglang.srt.layers.attention.dsa_backend import DSAMetadata, TopkTransformMethod
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.model_executor.forward_context import ForwardContext
 
-        seq_len = prefix + extend_len
-        dev = self.device
-        page_table = self.req_to_token[req.slot: req.slot + 1, :seq_len]
-        seqlens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, seq_len], dtype=torch.int32, device=dev)
-        cu_q = torch.tensor([0, extend_len], dtype=torch.int32, device=dev)
-        expanded = torch.arange(prefix + 1, seq_len + 1, dtype=torch.int32, device=dev)
-        ragged = self.fp8 and prefix > 0  # fp8 + flashmla_sparse reads page_table_1_flattened
-        metadata = DSAMetadata(
-            page_size=PAGE, cache_seqlens_int32=seqlens, max_seq_len_q=extend_len, max_seq_len_k=seq_len,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, page_table_1=page_table,
-            real_page_table=page_table[:, ::PAGE] // PAGE,
-            dsa_cache_seqlens_int32=expanded.clamp(max=TOPK), dsa_cu_seqlens_q=cu_q,
-            dsa_cu_seqlens_k=cu_k, dsa_extend_seq_lens_list=[extend_len], dsa_seqlens_expanded=expanded,
-            seq_lens_sum=seq_len, page_table_1_flattened=page_table[0, :seq_len] if ragged else None,
-        )
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1,
-            input_ids=torch.zeros(extend_len, dtype=torch.int64, device=dev),
-            req_pool_indices=torch.tensor([req.slot], device=dev), seq_lens=seqlens.long(),
-            out_cache_loc=out_cache_loc, seq_lens_sum=seq_len, seq_lens_cpu=torch.tensor([seq_len]),
-            extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len], extend_num_tokens=extend_len,
-        )
+        metadata_fields, batch_fields = self._one_request_fields(req, prefix, extend_len, out_cache_loc, "dsa")
+        metadata = DSAMetadata(**metadata_fields)
+        fb = ForwardBatch(**batch_fields)
         # fp8 KV reads through flashmla_sparse's RAGGED top-k transform, bf16 through PAGED, as
         # DeepseekSparseAttnBackend.get_topk_transform_method decides it for those backends
         method = TopkTransformMethod.RAGGED if self.fp8 else TopkTransformMethod.PAGED
@@ -153,81 +96,59 @@ class InterleaveRig(Rig):
         self._expect_equal("SGLang's interleave all-gather of the chunk", out, full)
         return out
 
-    def run_forward(self, req, prefix, extend_len, locs, full_view_layers, pad_rows):
-        """One forward. ``pad_rows`` (0.5.12's in-seq padding rows of ``out_cache_loc``) has no
-        counterpart: interleave pads only each rank's local rows, which its gathers drop."""
-        from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
-        from sglang.srt.layers.cp.base import get_cp_strategy
-        from sglang.srt.model_executor.forward_context import forward_context
+    def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> RigForward:
+        """The batches, the plugin's ``init_forward_metadata`` hook, SGLang's CP preparation.
+        ``pad_rows`` (0.5.12's in-seq padding rows of ``out_cache_loc``) has no counterpart:
+        interleave pads only each rank's local rows, which its gathers drop."""
+        from sglang_cp_shared_kv.forward.hooks_dsa import attach_batch_state
 
-        from sglang_cp_shared_kv.forward.hooks_dsa import (
-            attach_batch_state,
-            forward_extend_on_dense_view,
-            store_index_k_owned_and_dense,
-        )
-        from sglang_cp_shared_kv.testing.torch_standins import act_quant_reference
-
-        seq_len = prefix + extend_len
-        debug_on = self.debug == "on" or (self.debug == "alternate" and self.forward_counter % 2 == 1)
-        os.environ[DEBUG_ENV] = "1" if debug_on else "0"  # read once per batch, by attach_batch_state
         fb_s, be_s, ctx_s = self._batch(self.shared, req, prefix, extend_len, locs)
         fb_r, be_r, ctx_r = self._batch(self.replicated, req, prefix, extend_len, locs)
         self._phase(None, forward_start=True)
         split = self._split(fb_s)  # the model prepares CP before its layers, after the backend's metadata
         attach_batch_state(None, be_s, fb_s)
         self.stats["split_forwards"] += int(split)
-        strategy = get_cp_strategy()
-        gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
-        self.forward_counter += 1
-        for layer in self.layers:
-            lid = layer.layer_id
-            self._phase(lid)
-            where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
-            # ---- indexer: the chunk's keys (gathered where SGLang splits), stored, then read
-            key = self._rand(gen, extend_len, INDEX_DIM)
-            key_s = self._gathered(fb_s, key, lambda k: strategy.materialize_full_indexer_k_cache(k, fb_s)) \
-                if split else key
-            with forward_context(ctx_s):
-                store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, lid, key_s,
-                                              act_quant=act_quant_reference)
-            with forward_context(ctx_r):
-                Indexer._store_index_k_cache(self.indexer, fb_r, lid, key, act_quant=act_quant_reference)
-            k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
-            queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
-                                              torch.tensor([extend_len - 1])])).to(self.device)
-            positions = reference_topk(self._rand(gen, len(queries), INDEX_HEADS, INDEX_DIM),
-                                       self._rand(gen, len(queries), INDEX_HEADS, dtype=torch.float32),
-                                       k_idx, prefix + queries)
-            topk_s = transform_topk(positions, be_s.forward_metadata.page_table_1)
-            topk_r = transform_topk(positions, be_r.forward_metadata.page_table_1)
-            # ---- MLA: the chunk's latent (gathered where SGLang splits), stored, read, attended
-            k_nope = self._rand(gen, extend_len, 1, KV_LORA_RANK)
-            k_rope = self._rand(gen, extend_len, 1, ROPE_DIM)
-            q = self._rand(gen, len(queries), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
-            if split:
-                latent = torch.cat([k_nope, k_rope], dim=-1)
-                latent = self._gathered(fb_s, latent, lambda x: torch.cat(strategy.materialize_full_mla_kv(
-                    fb_s, layer, x[..., :KV_LORA_RANK], x[..., KV_LORA_RANK:]), dim=-1))
-                k_nope_s, k_rope_s = latent[..., :KV_LORA_RANK], latent[..., KV_LORA_RANK:]
-            else:
-                k_nope_s, k_rope_s = k_nope, k_rope
-            save = lid not in full_view_layers
-            if not save:  # the chunk was stored earlier by another writer: full-view read
-                self.shared.set_mla_kv_buffer(layer, locs, k_nope, k_rope)
-                self.replicated.set_mla_kv_buffer(layer, locs, k_nope, k_rope)
-            got = forward_extend_on_dense_view(self.shared_forward_extend, be_s, q, k_nope_s, k_nope_s, layer,
-                                               fb_s, save_kv_cache=save, k_rope=k_rope_s, topk_indices=topk_s,
-                                               fp8=self.fp8)
-            want = stock_forward_extend_inputs(be_r, q, k_nope, k_nope, layer, fb_r, save_kv_cache=save,
-                                               k_rope=k_rope, topk_indices=topk_r, fp8=self.fp8)
-            for name in want:
-                self._expect_equal(f"{where}: {name}", got[name], want[name])
-            self._phase(None)
-            self.stats["layers"] += 1
-            self.stats["topk_rows"] += int((positions >= 0).sum())
-        self._compare_shard_writes(f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len})", locs)
-        self.stats["forwards"] += 1
-        self.shared.end_batch()
+        return RigForward(fb_s, be_s, fb_r, be_r, locs, extra=dict(ctx_s=ctx_s, ctx_r=ctx_r, split=split))
+
+    def _store_index(self, forward: RigForward, layer_id: int, key: torch.Tensor) -> None:
+        """The chunk's index keys (gathered by interleave where SGLang splits) through the
+        plugin's hook around 0.5.23's store, each pool's store inside its forward context."""
+        from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+        from sglang.srt.layers.cp.base import get_cp_strategy
+        from sglang.srt.model_executor.forward_context import forward_context
+
+        from sglang_cp_shared_kv.forward.hooks_dsa import store_index_k_owned_and_dense
+
+        fb_s = forward.fb_s
+        if forward.extra["split"]:
+            key_s = self._gathered(fb_s, key, lambda k: get_cp_strategy().materialize_full_indexer_k_cache(k, fb_s))
+        else:
+            key_s = key
+        with forward_context(forward.extra["ctx_s"]):
+            store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, layer_id, key_s,
+                                          act_quant=act_quant_reference)
+        with forward_context(forward.extra["ctx_r"]):
+            Indexer._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key, act_quant=act_quant_reference)
+
+    def _latent(self, fb, layer, k_nope: torch.Tensor, k_rope: torch.Tensor):
+        """(k_nope, k_rope) as ``forward_extend`` receives them: gathered by interleave's
+        ``materialize_full_mla_kv`` from this rank's rows where SGLang splits the chunk."""
+        from sglang.srt.layers.cp.base import get_cp_strategy
+
+        if fb.attn_cp_metadata is None:
+            return k_nope, k_rope
+        gathered = self._gathered(fb, torch.cat([k_nope, k_rope], dim=-1), lambda x: torch.cat(
+            get_cp_strategy().materialize_full_mla_kv(fb, layer, x[..., :KV_LORA_RANK], x[..., KV_LORA_RANK:]),
+            dim=-1))
+        return gathered[..., :KV_LORA_RANK], gathered[..., KV_LORA_RANK:]
+
+    def _forward_extend_hook(self):
+        from sglang_cp_shared_kv.forward.hooks_dsa import forward_extend_on_dense_view
+
+        return forward_extend_on_dense_view
+
+    def _end_forward(self) -> None:
+        """Nothing to count: the pool's context counts every interleave forward as gathered."""
 
     def _counted_sglang_index_store(self, *args, **kwargs):
         """0.5.23's ``Indexer._store_index_k_cache`` as the shared pool's hook calls it, counted."""
