@@ -7,45 +7,17 @@ a dependency). The planner figures in docs/deploy.md are recomputed."""
 from __future__ import annotations
 
 import argparse
-import re
 import shlex
 import subprocess
-from pathlib import Path
 
 import pytest
 
 from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
+from sglang_cp_shared_kv.testing.doc_commands import DOCS, ROOT, launch_commands, launch_server_args, shell_commands
 
-ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + [ROOT / ".ci" / "run"]
-_ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
-
-
-def _commands(text: str, marker: str):
-    """Each shell command in ``text``'s code blocks that contains ``marker`` (continuation
-    lines joined, comments dropped), as argv after the environment assignments."""
-    out = []
-    for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        joined = re.sub(r"\\\n\s*", " ", block)
-        for line in joined.splitlines():
-            line = line.split(" #", 1)[0].strip()
-            if marker not in line or line.startswith("#"):
-                continue
-            for part in re.split(r"\s*&&\s*", line):
-                if marker in part:
-                    argv = shlex.split(part)
-                    while argv and _ENV_ASSIGNMENT.match(argv[0]):
-                        argv.pop(0)
-                    out.append(argv)
-    return out
-
-
-def _launch_server_args(argv):
-    index = argv.index("sglang.launch_server")
-    return argv[index + 1:]
 
 
 def _sglang_parser():
@@ -64,11 +36,7 @@ def _parse_launch(parser, args):
 
 
 def _launch_commands():
-    found = []
-    for doc in DOCS:
-        for argv in _commands(doc.read_text(), "sglang.launch_server"):
-            found.append((doc.name, argv))
-    return found
+    return launch_commands("0.5.12.post1")
 
 
 def test_docs_show_launch_commands():
@@ -78,7 +46,7 @@ def test_docs_show_launch_commands():
 
 @pytest.mark.parametrize("where,argv", _launch_commands(), ids=lambda v: v if isinstance(v, str) else None)
 def test_every_documented_launch_command_parses(where, argv):
-    args = _launch_server_args(argv)
+    args = launch_server_args(argv)
     parsed = _parse_launch(_sglang_parser(), args)
     assert getattr(parsed, FLAG_DEST) == (FLAG in args)
     if parsed.disaggregation_mode == "prefill" and FLAG in args:
@@ -90,7 +58,7 @@ def test_every_documented_plugin_command_parses():
 
     seen = 0
     for doc in DOCS:
-        for argv in _commands(doc.read_text(), "-m sglang_cp_shared_kv "):
+        for argv in shell_commands(doc.read_text(), "-m sglang_cp_shared_kv "):
             args = argv[argv.index("sglang_cp_shared_kv") + 1:]
             build_parser().parse_args(args)  # exits with status 2 (SystemExit) on a bad argument
             seen += 1
@@ -128,7 +96,7 @@ def test_launch_scripts_print_a_command_sglang_parses(case):
     assert proc.returncode == 0, proc.stderr
     assert "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1" in proc.stdout
     argv = shlex.split(proc.stdout.replace("\\\n", " "))
-    parsed = _parse_launch(_sglang_parser(), _launch_server_args(argv))
+    parsed = _parse_launch(_sglang_parser(), launch_server_args(argv))
     assert getattr(parsed, FLAG_DEST) is ("--off" not in options)  # the flag on both servers unless --off
     if script == "launch_prefill.sh":
         assert parsed.tensor_parallel_size == int(options[options.index("--cp-size") + 1])
@@ -159,7 +127,7 @@ def _documented_launch_script_calls():
     for doc in DOCS:
         text = doc.read_text()
         for script in ("launch_prefill.sh", "launch_decode.sh"):
-            found += [(doc.name, argv) for argv in _commands(text, f"scripts/{script}")]
+            found += [(doc.name, argv) for argv in shell_commands(text, f"scripts/{script}")]
     return found
 
 
@@ -177,7 +145,7 @@ def test_every_documented_launch_script_call_prints_a_command_sglang_parses(wher
                           timeout=30)
     assert proc.returncode == 0, (where, argv, proc.stderr)
     printed = shlex.split(proc.stdout.replace("\\\n", " "))
-    parsed = _parse_launch(_sglang_parser(), _launch_server_args(printed))
+    parsed = _parse_launch(_sglang_parser(), launch_server_args(printed))
     assert getattr(parsed, FLAG_DEST) is ("--off" not in options)
 
 
