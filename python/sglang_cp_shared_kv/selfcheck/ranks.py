@@ -2,7 +2,7 @@
 
 A **rank** (:func:`rank_main`) joins a gloo CP group (SGLang's attention-CP
 ``GroupCoordinator`` over it), builds the plugin's shared-KV pool and allocator beside a
-replicated pool (:class:`~sglang_cp_shared_kv.testing.cp_rig.Rig`), prefills a donor
+replicated pool (:class:`~sglang_cp_shared_kv.testing.cp_rig_nsa.InSeqRig`), prefills a donor
 request (the radix-cache prefix), then the request that hits it, chunk by chunk, every
 forward through the plugin's hooks, comparing the stock kernels' inputs and a reference
 attention with the replicated pool's. Rank 0 writes what the replicated pool holds for
@@ -83,10 +83,10 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
     result: Dict[str, Any] = {"rank": rank}
     try:
         from sglang_cp_shared_kv.testing.cp_harness import init_rank_process
-        from sglang_cp_shared_kv.testing.cp_rig import Rig
+        from sglang_cp_shared_kv.testing.cp_rig_nsa import InSeqRig
 
         group = init_rank_process(rank, options.cp_size, port, options.device)
-        rig = Rig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
+        rig = InSeqRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
                   physical_pages=physical_pages(options))
         result["capacity"] = _capacity(rig)
         events.put(("ready", rank))

@@ -47,7 +47,7 @@ from typing import Dict, List
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_rig import Rig
+from sglang_cp_shared_kv.testing.cp_rig_nsa import InSeqRig
 from sglang_cp_shared_kv.testing.cp_scenarios import SCENARIOS
 from sglang_cp_shared_kv.testing.support import (
     all_gather_through_gloo,
@@ -115,7 +115,7 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
         group = init_rank_process(rank, n, port, device)
         for name, dtype_name, debug, *more in jobs:
             options = more[0] if more else {}
-            rig = Rig(rank, n, dtype_name, group, device, debug=debug, prefetch=options.get("prefetch", False))
+            rig = InSeqRig(rank, n, dtype_name, group, device, debug=debug, prefetch=options.get("prefetch", False))
             prefetch_group = rig.shared.context.prefetch_group
             if prefetch_group is not None:  # its own communicator over the same ranks
                 rig.stats["prefetch_group"] = {
@@ -146,7 +146,7 @@ def finish_rank(out_dir: str, rank: int, result: dict) -> None:
 
 
 @contextlib.contextmanager
-def _stage_timed(rig: Rig, rank: int, on: bool):
+def _stage_timed(rig: InSeqRig, rank: int, on: bool):
     """With ``on``: NVTX on (ranges become no-ops without a GPU) and a stage timer on the
     rank's context for the job; its final snapshot goes to ``rig.stats["stage_times"]``."""
     if not on:
@@ -174,7 +174,7 @@ def _stage_timed(rig: Rig, rank: int, on: bool):
 
 
 @contextlib.contextmanager
-def _all_gathers_recorded(rig: Rig, compute_group, prefetch_group):
+def _all_gathers_recorded(rig, compute_group, prefetch_group):
     """With a prefetch group: every ``torch.distributed.all_gather_into_tensor`` of the job
     (the plugin's history and current gathers, SGLang's in-seq gathers) counted by the group
     it goes over and whether it is asynchronous, into ``rig.stats["all_gathers"]``
@@ -198,7 +198,7 @@ def _all_gathers_recorded(rig: Rig, compute_group, prefetch_group):
 
 
 @contextlib.contextmanager
-def _nvtx_ranges_counted(rig: Rig, switch):
+def _nvtx_ranges_counted(rig: InSeqRig, switch):
     """With ``switch`` "off" or "on": the NVTX switch set so for the job, and
     ``rig.stats["nvtx"]``: ``asked`` (calls of :func:`..nvtx.marked`, each reading the
     switch once) and ``pushed`` (ranges opened, by name; on a CPU the push itself is then
@@ -234,7 +234,7 @@ def _nvtx_ranges_counted(rig: Rig, switch):
 
 
 @contextlib.contextmanager
-def _host_syncs_counted(rig: Rig, on: bool):
+def _host_syncs_counted(rig: InSeqRig, on: bool):
     """With ``on``: the plugin's host synchronisations counted by forward phase and call site
     (:mod:`.host_syncs`), into ``rig.stats["host_syncs"]``."""
     if not on:
@@ -294,7 +294,7 @@ SLOW_COMPUTE_CYCLES = 200_000_000
 
 
 @contextlib.contextmanager
-def _slow_compute(rig: Rig, slow: bool):
+def _slow_compute(rig: InSeqRig, slow: bool):
     """On this rank, layer SLOW_COMPUTE_LAYER's stock ``forward_extend`` starts late (a host
     sleep on CPU; on CUDA ``torch.cuda._sleep`` on the compute stream), after the hook
     started the next layer's history prefetch: that gather completes while this layer has yet
