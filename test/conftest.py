@@ -21,7 +21,7 @@ PORT_IN_PROGRESS_TESTS = frozenset({
     "unit/test_compare_upstream_kv_sharding.py", "integration/test_sglang_0523_settings.py",
     "integration/test_kv_configurator_0523.py", "integration/test_pool_dsa_0523.py",
     "integration/test_capacity_0523.py", "integration/test_decode_admission_0523.py",
-    "integration/test_transfer_hooks_0523.py",
+    "integration/test_transfer_hooks_0523.py", "integration/test_transfer_mooncake_e2e.py",
 })
 _HERE = Path(__file__).resolve().parent
 _INSTALLED = sg.installed_sglang_version()  # NOTE: read once, not per collected path

@@ -28,6 +28,10 @@ class Release0512:
 
     #: decode's NSA index page list starts at token 0 (prefill sends the prefix's index pages too)
     index_pages_from_prefix = False
+    #: the plugin's allocator hands a chunk's pages to the ranks that compute them (in-seq split)
+    compute_owner_allocation = True
+    #: stock prefill sends a one-token stand-in for a prompt it refused (Req.set_finish_with_abort)
+    stock_sends_refused_prompt_standin = True
 
     def setup_process(self, workdir: str, role: str) -> None:
         """Nothing to publish: 0.5.12.post1's managers read no process-wide config."""
@@ -120,6 +124,11 @@ class Release0523(Release0512):
     """SGLang 0.5.23."""
 
     index_pages_from_prefix = True
+    #: interleave computes rows of every page on every rank: the allocator leaves compute-owner
+    #: pages out (docs/design.md, "The CP strategy on 0.5.23")
+    compute_owner_allocation = False
+    #: 0.5.23 retires a refused prompt at intake (``is_unadmitted_reject``): nothing is sent
+    stock_sends_refused_prompt_standin = False
 
     def setup_process(self, workdir: str, role: str) -> None:
         """Publish this process's runtime context: a real ``ServerArgs`` (PD ``role``, Mooncake,
