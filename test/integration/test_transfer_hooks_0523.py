@@ -321,3 +321,51 @@ def test_0523_aborts_a_waiting_request_through_the_sender():
     ((remote, port, (cause, status)),) = told
     assert (remote, port) == DECODE and "aborted the request" in parse_failure_cause(cause)[1]
     assert status == [b"13", b"0", b"1"]
+
+
+# ------------------------------------------- the index pages through maybe_send_extra
+@pytest.mark.parametrize("write_rc", [0, -1])
+def test_index_pages_through_0523s_maybe_send_extra(write_rc, monkeypatch):
+    """0.5.23's real maybe_send_extra (DSA branch, _send_kvcache_generic) under the hooks sends
+    this rank's index pages to their sequence positions on decode; a write Mooncake refuses is
+    recorded with its cause, which then leads the reason of 0.5.23's conclude_failure, on
+    prefill and to decode."""
+    mgr = make_manager(cp_size=2, cp_rank=1)
+    mgr.state_strides_validated, mgr.enable_custom_mem_pool, mgr.max_transfer_batch_indices = set(), False, 0
+    mgr.kv_args.state_layer_ids, mgr.kv_args.state_dim_per_tensor, mgr.kv_args.prefill_start_layer = [[]], [[]], 0
+    info = ready_room(mgr, 14, dst_pages=np.arange(100, 106), dst_state=np.arange(200, 206))
+    context = prefill.prefill_transfer(mgr)
+    state = [np.arange(1, 7)]  # logical pages 1..6: rank 1 owns 2, 4, 6 (physical 1, 2, 3) at positions 1, 3, 5
+    assert context.own_state_pages_in_place(state) is None
+    registration = SimpleNamespace(dst_state_data_ptrs=[[50_000 * (i + 1) for i in range(LAYERS)]],
+                                   dst_state_item_lens=[[STATE_ITEM] * LAYERS], dst_state_dim_per_tensor=[[]],
+                                   dst_state_layer_ids=[[]], dst_attn_tp_size=1)
+    writes = []
+
+    def engine(self, session, blocks):  # the engine's batch write, as _transfer_data hands it over
+        writes.extend(blocks)
+        return write_rc
+
+    class Hooked(Manager):
+        def _transfer_data(self, session, blocks):
+            return transfer.write_in_bounded_batches(engine, self, session, blocks)
+
+    mgr.__class__ = Hooked
+    # NOTE: what a published 0.5.23 server without unified memory or upstream KV sharding answers
+    monkeypatch.setattr(conn, "get_memory", lambda: SimpleNamespace(enable_unified_memory=False))
+    with get_parallel().override(enable_kv_cache_sharding=False):
+        rc = transfer.send_owned_state_pages(Manager.maybe_send_extra, mgr, info, state, None, registration)
+    assert rc == write_rc
+    owned = ((1, 201), (2, 203), (3, 205))  # (physical index page, decode's page at its position)
+    assert sorted(writes) == sorted((9000 * (layer + 1) + p * STATE_ITEM, 50_000 * (layer + 1) + d * STATE_ITEM,
+                                     STATE_ITEM) for layer in range(LAYERS) for p, d in owned)
+    if write_rc == 0:
+        assert 14 not in mgr.failure_records and prefill.transfer_stats(mgr)["state_pages"] == 3
+        return
+    assert "writing the NSA index state of room 14 (3 pages" in mgr.failure_records[14]
+    hooks_dsa.report_failure_cause_to_decode(
+        lambda m, **kw: common.CommonKVManager.conclude_transfer(m, **kw), mgr, bootstrap_room=14,
+        status=KVPoll.Failed, targets=None, failure_reason="Failed to send state components of 14")
+    cause, failed = _frames(mgr)
+    assert "batch_transfer_sync_write returned -1" in parse_failure_cause(cause)[1] and failed[1] == b"0"
+    assert "writing the NSA index state of room 14" in mgr.failure_records[14]  # the root cause is kept
