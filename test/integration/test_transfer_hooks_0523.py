@@ -175,6 +175,22 @@ def test_a_chunk_beyond_decodes_pages_is_rejected_before_sglang_queues_it():
                                            [0]) == -1
 
 
+@pytest.mark.parametrize("decode", ["hisparse", "dcp relayout"])
+def test_a_decode_target_0523_cannot_send_positions_to_is_refused(decode):
+    """0.5.23 marks a HiSparse decode by its device pages per room and a decode of another DCP
+    layout by its registration (the relayout transfer sends whole chunks): both refused."""
+    mgr = make_manager()
+    info = ready_room(mgr, 15, dst_pages=[100, 101])
+    if decode == "hisparse":
+        info.dst_device_kv_indices = np.asarray([300, 301], dtype=np.int32)
+    else:
+        mgr.decode_kv_args_table[info.mooncake_session_id].requires_dcp_relayout = True
+    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(1, 3),
+                                                   slice(0, 2), total_pages=2)
+    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 15, pages, positions, True, aux_index=1)
+    assert ("runs HiSparse" if decode == "hisparse" else "--dcp-size") in mgr.failure_records[15]
+
+
 # ------------------------------------------------- index pages from every rank
 @pytest.mark.parametrize("shared", [False, True])
 def test_every_cp_rank_sends_its_index_pages(shared):
