@@ -8,6 +8,7 @@ test_transfer_mooncake_e2e.py.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from types import SimpleNamespace
 
@@ -23,7 +24,8 @@ from sglang.srt.disaggregation.base.conn import KVPoll, StateType  # noqa: E402
 from sglang.srt.disaggregation.common import conn as common  # noqa: E402
 from sglang.srt.disaggregation.common.utils import FastQueue  # noqa: E402
 from sglang.srt.disaggregation.mooncake import conn  # noqa: E402
-from sglang.srt.disaggregation.utils import DisaggregationMode, filter_kv_indices_for_cp_rank  # noqa: E402
+from sglang.srt.disaggregation import utils as disagg_utils  # noqa: E402
+from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 from sglang_cp_shared_kv import plugin  # noqa: E402
@@ -39,6 +41,17 @@ LAYERS = 3
 KV_ITEM = PAGE * 16
 STATE_ITEM = PAGE * 132
 DECODE = ("127.0.0.1", 5555)
+
+
+def stock(owner, name):
+    """SGLang's own ``owner.name``, also where another test of this process applied the
+    plugin's hooks (the registry wraps in place, the original kept as ``__wrapped__``, and
+    rebinds the name in every module that imported it, this one included)."""
+    return inspect.unwrap(getattr(owner, name))
+
+
+def stock_filter():
+    return stock(disagg_utils, "filter_kv_indices_for_cp_rank")
 
 
 class Manager(conn.MooncakeKVManager):
@@ -120,10 +133,10 @@ def test_filter_takes_0523s_total_pages(shared):
     position): flag off that is stock's answer exactly; flag on, this rank's owned pages."""
     mgr = make_manager(shared=shared, cp_size=2, cp_rank=1)
     logical = np.array([3, 4, 5, 6, 7], dtype=np.int32)
-    got_pages, got_slice = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, logical, slice(4, 9),
+    got_pages, got_slice = transfer.filter_owned_pages(stock_filter(), mgr, logical, slice(4, 9),
                                                        total_pages=12)
     if not shared:
-        stock_pages, stock_slice = filter_kv_indices_for_cp_rank(mgr, logical, slice(4, 9), total_pages=12)
+        stock_pages, stock_slice = stock_filter()(mgr, logical, slice(4, 9), total_pages=12)
         assert got_slice == stock_slice and got_pages.tolist() == stock_pages.tolist()
         assert prefill.built_prefill_transfer(mgr) is None
         return
@@ -138,10 +151,10 @@ def test_enqueue_hands_0523s_chunk_keywords_to_sglang():
     events; the chunk SGLang queues carries them with this rank's pages and positions."""
     mgr = make_manager()
     ready_room(mgr, 7, dst_pages=np.arange(100, 110), dst_state=np.arange(200, 210))
-    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(1, 5),
+    pages, positions = transfer.filter_owned_pages(stock_filter(), mgr, np.arange(1, 5),
                                                    slice(0, 4), total_pages=10)
     early_send = object()
-    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 7, pages, positions, False,
+    transfer.enqueue_owned_chunk(stock(Manager, "add_transfer_request"), mgr, 7, pages, positions, False,
                                  aux_index=None, state_indices=None, num_kv_tokens=256, wait_event=early_send,
                                  indices_event=None, trace_ctx=None)
     (chunk,) = queued(mgr)
@@ -150,10 +163,10 @@ def test_enqueue_hands_0523s_chunk_keywords_to_sglang():
     assert mgr.transfer_infos[7][DECODE[0] + ":7000"].dst_kv_indices[chunk.index_slice].tolist() == [101, 103]
 
     # the last chunk: the DSA index page list (decode's suffix, as 0.5.23 sends it) becomes this rank's
-    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(5, 11),
+    pages, positions = transfer.filter_owned_pages(stock_filter(), mgr, np.arange(5, 11),
                                                    slice(4, 10), total_pages=10)
     state = [np.arange(1, 11)]
-    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 7, pages, positions, True, aux_index=3,
+    transfer.enqueue_owned_chunk(stock(Manager, "add_transfer_request"), mgr, 7, pages, positions, True, aux_index=3,
                                  state_indices=state, num_kv_tokens=384)
     (last,) = queued(mgr)
     assert isinstance(last.state_indices[0], OwnedStatePages)
@@ -164,9 +177,9 @@ def test_enqueue_hands_0523s_chunk_keywords_to_sglang():
 def test_a_chunk_beyond_decodes_pages_is_rejected_before_sglang_queues_it():
     mgr = make_manager()
     ready_room(mgr, 8, dst_pages=[100, 101])
-    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(1, 5),
+    pages, positions = transfer.filter_owned_pages(stock_filter(), mgr, np.arange(1, 5),
                                                    slice(0, 4), total_pages=4)
-    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 8, pages, positions, True, aux_index=1,
+    transfer.enqueue_owned_chunk(stock(Manager, "add_transfer_request"), mgr, 8, pages, positions, True, aux_index=1,
                                  state_indices=None, num_kv_tokens=256)
     (empty,) = queued(mgr)  # SGLang's worker fails it: send_aux is withheld for the room
     assert empty.is_last_chunk and empty.prefill_kv_indices.size == 0
@@ -185,9 +198,9 @@ def test_a_decode_target_0523_cannot_send_positions_to_is_refused(decode):
         info.dst_device_kv_indices = np.asarray([300, 301], dtype=np.int32)
     else:
         mgr.decode_kv_args_table[info.mooncake_session_id].requires_dcp_relayout = True
-    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(1, 3),
+    pages, positions = transfer.filter_owned_pages(stock_filter(), mgr, np.arange(1, 3),
                                                    slice(0, 2), total_pages=2)
-    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 15, pages, positions, True, aux_index=1)
+    transfer.enqueue_owned_chunk(stock(Manager, "add_transfer_request"), mgr, 15, pages, positions, True, aux_index=1)
     assert ("runs HiSparse" if decode == "hisparse" else "--dcp-size") in mgr.failure_records[15]
 
 
@@ -196,18 +209,18 @@ def test_a_decode_target_0523_cannot_send_positions_to_is_refused(decode):
 def test_every_cp_rank_sends_its_index_pages(shared):
     """Stock 0.5.23 sends the DSA index pages from CP rank 0 only; under the flag rank 1 holds
     (and sends) its own, so its skip flags say: send."""
-    stock = common.CommonKVManager._should_skip_cp_replicated_state_transfer
+    stock_skip = stock(common.CommonKVManager, "_should_skip_cp_replicated_state_transfer")
 
     class Hooked(Manager):
         def _should_skip_cp_replicated_state_transfer(self):
-            return hooks_dsa.every_rank_sends_its_index_pages(stock, self)
+            return hooks_dsa.every_rank_sends_its_index_pages(stock_skip, self)
 
     mgr = make_manager(shared=shared, cp_size=2, cp_rank=1)
     mgr.__class__ = Hooked
     with get_parallel().override(enable_dsa_cache_layer_split=False, enable_cp_tp_group_sharing=False):
         skip_kv, skip_state = mgr._get_dsa_cache_transfer_skip_flags(None)
         assert (skip_kv, skip_state) == (False, not shared)
-        assert stock(mgr) is True  # what 0.5.23 does without the hook
+        assert stock_skip(mgr) is True  # what 0.5.23 does without the hook
 
 
 # --------------------------------------------------- the failure's cause to decode
@@ -243,9 +256,9 @@ def test_a_rejected_room_concludes_with_the_rejection():
     with "Failed to send aux data", and decode is told the rejection instead."""
     mgr = make_manager()
     ready_room(mgr, 10, dst_pages=[100])
-    pages, positions = transfer.filter_owned_pages(filter_kv_indices_for_cp_rank, mgr, np.arange(1, 3),
+    pages, positions = transfer.filter_owned_pages(stock_filter(), mgr, np.arange(1, 3),
                                                    slice(0, 2), total_pages=2)
-    transfer.enqueue_owned_chunk(Manager.add_transfer_request, mgr, 10, pages, positions, True, aux_index=1)
+    transfer.enqueue_owned_chunk(stock(Manager, "add_transfer_request"), mgr, 10, pages, positions, True, aux_index=1)
     hooks_dsa.report_failure_cause_to_decode(
         lambda m, **kw: common.CommonKVManager.conclude_transfer(m, **kw), mgr, bootstrap_room=10,
         status=KVPoll.Failed, targets=[DECODE], failure_reason="Failed to send aux data of 10")
@@ -299,7 +312,7 @@ def test_decode_names_the_cause_in_0523s_error():
     decode.failure_records[12] = decode.DEFAULT_PREFILL_FAILURE_REASON
     message = encode_failure_cause(decode.AUX_DATA_HEADER, 12, "prefill CP rank 1 of 2: index write failed")
     assert message[5].startswith(CAUSE_PREFIX)
-    assert transfer.accept_failure_cause(Manager._handle_aux_data, decode, message) is None
+    assert transfer.accept_failure_cause(stock(Manager, "_handle_aux_data"), decode, message) is None
     receiver = SimpleNamespace(kv_mgr=decode, bootstrap_room=12, clear=lambda: None, conclude_state=None)
     with pytest.raises(common.KVTransferError) as error:
         transfer.failure_exception_with_cause(common.CommonKVReceiver.failure_exception, receiver)
@@ -325,7 +338,7 @@ def test_0523_aborts_a_waiting_request_through_the_sender():
             self.trace_ctx = SimpleNamespace(abort=lambda **kw: None, trace_req_finish=lambda: None)
 
         def abort(self):
-            return transfer.fail_aborted_room_on_decode(common.CommonKVSender.abort, self)
+            return transfer.fail_aborted_room_on_decode(stock(common.CommonKVSender, "abort"), self)
 
     released = []
     scheduler = SimpleNamespace(clear_pending_chunk_send=lambda req: None,
@@ -370,7 +383,7 @@ def test_index_pages_through_0523s_maybe_send_extra(write_rc, monkeypatch):
     # NOTE: what a published 0.5.23 server without unified memory or upstream KV sharding answers
     monkeypatch.setattr(conn, "get_memory", lambda: SimpleNamespace(enable_unified_memory=False))
     with get_parallel().override(enable_kv_cache_sharding=False):
-        rc = transfer.send_owned_state_pages(Manager.maybe_send_extra, mgr, info, state, None, registration)
+        rc = transfer.send_owned_state_pages(stock(Manager, "maybe_send_extra"), mgr, info, state, None, registration)
     assert rc == write_rc
     owned = ((1, 201), (2, 203), (3, 205))  # (physical index page, decode's page at its position)
     assert sorted(writes) == sorted((9000 * (layer + 1) + p * STATE_ITEM, 50_000 * (layer + 1) + d * STATE_ITEM,
