@@ -12,7 +12,8 @@
 #                                  non-cuda and the cuda13 engines into one environment.
 #   scripts/bootstrap.sh test-0.5.23   a second environment, .venv-0.5.23: sglang==0.5.23
 #                                  (torch 2.14.1, Python >= 3.11), this plugin (editable, its
-#                                  0.5.12.post1 pins left out), pytest and hypothesis; the
+#                                  0.5.12.post1 pins left out), pytest, hypothesis and the CPU
+#                                  Mooncake engine (as for test; links libibverbs1); the
 #                                  port to 0.5.23 is under way: there the flag is validated in
 #                                  0.5.23's terms and refused (docs/design.md), and pytest
 #                                  runs the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS.
@@ -27,7 +28,7 @@ case "$target" in
   "") extras="" ; libs="" ;;
   test) extras="test" ; libs="libibverbs1:libibverbs.so.1" ;;
   gpu) extras="pd" ; libs="libibverbs1:libibverbs.so.1 libmlx5-1:libmlx5.so.1 libnuma1:libnuma.so.1" ;;
-  test-0.5.23) extras="" ; libs="" ;;
+  test-0.5.23) extras="" ; libs="libibverbs1:libibverbs.so.1" ;;
   *) echo "bootstrap: unknown target '$target' (use nothing, test, gpu or test-0.5.23)" >&2; exit 2 ;;
 esac
 
@@ -56,7 +57,10 @@ if [ "$target" = test-0.5.23 ]; then
   # NOTE: the plugin's own requirements pin the serving base (sglang 0.5.12.post1, torch
   # 2.11, kernels 0.12): here SGLang comes first, with its own pins (torch 2.14.1, kernels
   # 0.14), and the plugin joins it without its pins
-  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" numpy "pytest>=8" "hypothesis>=6.100"
+  # NOTE: the same test requirements as pyproject.toml's `test` extra (the extra itself would
+  # bring the plugin's pins along)
+  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" numpy "pytest>=8" \
+    "hypothesis>=6.100" mooncake-transfer-engine-non-cuda
   $venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   exit 0
 fi

@@ -4,7 +4,7 @@
 (:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
 the flag serves on (``sglang_api.SGLANG_VERSION``); on 0.5.23, whose port is under way,
 its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused), its
-pool and capacity hooks and the decode server's;
+pool and capacity hooks, the decode server's and the PD transfer's;
 on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
 symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
@@ -103,12 +103,16 @@ def _hook_table() -> Tuple[HookSpec, ...]:
 
 @functools.cache
 def _table_0523() -> Tuple[HookSpec, ...]:
-    """SGLang 0.5.23, the port so far: the settings layer (:mod:`.server_args_dsa`), the
+    """SGLang 0.5.23: the settings layer (:mod:`.server_args_dsa`), the
     pool and capacity (:mod:`.capacity_dsa`), the forward path under interleave CP
-    (:mod:`.forward.hooks_dsa`) and the decode server (:mod:`.decode_server_dsa`)."""
+    (:mod:`.forward.hooks_dsa`), the decode server (:mod:`.decode_server_dsa`) and the PD
+    transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_dsa` where 0.5.23 changed the
+    target's shape)."""
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa
     from sglang_cp_shared_kv import server_args_dsa as dsa
     from sglang_cp_shared_kv.forward import hooks_dsa as forward
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+    from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
 
     return (
         HookSpec(f"{_SERVER_ARGS}.add_cli_args", dsa.add_flag_and_alias_to_parser, "after"),
@@ -129,6 +133,29 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",
                  decode_server_dsa.refuse_what_decode_can_never_hold, "around"),
+        # --- PD transfer of each rank's shard
+        HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer_dsa.prepare_prefill_transfer, "after"),
+        HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
+        # 0.5.23 sends the index pages from CP rank 0 only; each rank holds (and sends) its own
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._should_skip_cp_replicated_state_transfer",
+                 transfer_dsa.every_rank_sends_its_index_pages, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
+        # an aborted request: decode told at once (0.5.23 aborts every queue through the
+        # sender, so maybe_release_metadata_buffer, also called on a requeue, is not hooked;
+        # aborted before decode registered it: told when it registers)
+        HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.conclude_transfer", transfer_dsa.report_failure_cause_to_decode,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
     )
 
 

@@ -63,7 +63,8 @@ def unsupported_base_problem(version: Optional[str]) -> str:
     return (f"this sglang-cp-shared-kv release runs on {supported}, and the installed sglang is "
             f"{version or 'not found'}: install sglang=={SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag")
 
-#: name -> (module, attribute); attribute None: the module itself. SGLang 0.5.12.post1.
+#: name -> (module, attribute); attribute None: the module itself, dotted: an attribute of an
+#: attribute (an enum member). SGLang 0.5.12.post1.
 _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     # --- KV pool and allocator (subclassed; their module globals rebound while pools are built)
     "NSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool"),
@@ -85,6 +86,7 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     # --- PD transfer (Mooncake)
     "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
     "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
+    "INDEX_STATE_TYPE": ("sglang.srt.disaggregation.base.conn", "StateType.NSA"),  # the index pages' state
     "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
     "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
     "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
@@ -96,8 +98,8 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
 
-#: SGLang 0.5.23: its settings layer, the pool and capacity, the forward path and the decode
-#: server (the transfer hooks of the port add their names here).
+#: SGLang 0.5.23: its settings layer, the pool and capacity, the forward path under interleave
+#: CP, the decode server and the PD transfer.
 _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     # --- KV pool and allocator (subclassed; the configurator's module globals rebound while pools are built)
     "DSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool"),
@@ -122,6 +124,14 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     "resolving_view": ("sglang.srt.arg_groups.model_override_base", "resolving_view"),
     "declare_resolution": ("sglang.srt.arg_groups.overrides", "declare_resolution"),
     "cuda_graph_config": ("sglang.srt.model_executor.cuda_graph_config", None),
+    # --- PD transfer (Mooncake; the same names as 0.5.12.post1's where they mean the same)
+    "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
+    "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
+    "INDEX_STATE_TYPE": ("sglang.srt.disaggregation.base.conn", "StateType.DSA"),  # the index pages' state
+    "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
+    "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
+    "KVTransferError": ("sglang.srt.disaggregation.common.conn", "KVTransferError"),
+    "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
     # --- the decode server (its admission queue)
     "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
     # --- the plugin framework
@@ -142,8 +152,10 @@ SYMBOLS = SYMBOLS_BY_VERSION[table_version(installed_sglang_version()) or SGLANG
 def resolve(name: str):
     """The SGLang object ``name`` of :data:`SYMBOLS` (its module imported on first use)."""
     module_name, attribute = SYMBOLS[name]
-    module = importlib.import_module(module_name)
-    return module if attribute is None else getattr(module, attribute)
+    value = importlib.import_module(module_name)
+    for part in (attribute.split(".") if attribute is not None else ()):
+        value = getattr(value, part)
+    return value
 
 
 def __getattr__(name: str):

@@ -75,18 +75,23 @@ def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_k
 def test_on_0523_the_table_is_the_port_so_far():
     """0.5.23's port is under way: the flag parses (under its DSA-era alias too), rides into
     the scheduler processes, is validated in 0.5.23's terms and then refused; the pool and
-    capacity hooks and the decode server's are in (test_sglang_0523_settings.py,
-    test_capacity_0523.py, test_pool_dsa_0523.py and test_decode_admission_0523.py run them
-    against 0.5.23's real classes)."""
+    capacity hooks, the decode server's and the PD transfer's are in (test_sglang_0523_settings.py,
+    test_capacity_0523.py, test_pool_dsa_0523.py, test_decode_admission_0523.py,
+    test_transfer_hooks_0523.py and test_transfer_mooncake_e2e.py run them against 0.5.23's
+    real classes)."""
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, server_args_dsa
     from sglang_cp_shared_kv.hook_check import RESOLUTION
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+    from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
 
     table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
     assert not sg.is_supported_base(sg.PORT_IN_PROGRESS_VERSION)
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
-                                                         decode_server_dsa.__name__}
+                                                         decode_server_dsa.__name__, transfer.__name__,
+                                                         transfer_dsa.__name__}
     configurator = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     decode_queue = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+    mooncake = "sglang.srt.disaggregation.mooncake.conn"
     assert {(spec.target, spec.hook_type) for spec in table} == {
         ("sglang.srt.server_args.ServerArgs.add_cli_args", "after"),
         ("sglang.srt.server_args.ServerArgs.from_cli_args", "around"),
@@ -97,5 +102,13 @@ def test_on_0523_the_table_is_the_port_so_far():
         (f"{configurator}._resolve_memory_pool_config", "after"),
         (f"{configurator}.configure", "around"),
         (f"{decode_queue}.__init__", "after"),
-        (f"{decode_queue}._check_if_req_exceed_kv_capacity", "around")}
+        (f"{decode_queue}._check_if_req_exceed_kv_capacity", "around"),
+        ("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", "around"),
+        (f"{mooncake}.MooncakeKVManager.__init__", "after"),
+        ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "after"),
+        *((f"{mooncake}.MooncakeKVManager.{name}", "around") for name in (
+            "add_transfer_request", "_transfer_data", "_should_skip_cp_replicated_state_transfer",
+            "maybe_send_extra", "send_aux", "update_status", "conclude_transfer", "_handle_aux_data")),
+        ("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", "around"),
+        (f"{mooncake}.MooncakeKVReceiver.failure_exception", "around")}
     assert sg.SYMBOLS_BY_VERSION[sg.PORT_IN_PROGRESS_VERSION] is not sg.SYMBOLS  # 0.5.12.post1's here

@@ -590,7 +590,7 @@ def test_an_aborted_request_is_failed_on_decode_at_once(where, caplog):
     notices = prefill.prefill_transfer(mgr)._abort_notices = Notices()
     sender = SimpleNamespace(kv_mgr=mgr, bootstrap_room=21, aux_index=5)
     original = Recorder(result="done")
-    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer.prefill"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer"):
         if where == "sender.abort":
             assert transfer.fail_aborted_room_on_decode(original, sender) == "done"
         else:
@@ -649,7 +649,7 @@ def test_an_abort_before_decode_registered_is_told_when_it_registers(caplog):
     mgr.request_status[23] = KVPoll.Bootstrapping
     notices = prefill.prefill_transfer(mgr)._abort_notices = Notices()
     sender = SimpleNamespace(kv_mgr=mgr, bootstrap_room=23, aux_index=1)
-    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer.prefill"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.transfer"):
         transfer.fail_aborted_room_on_decode(Recorder(), sender)
         assert notices.sent == [] and "0 decode target(s) told, the rest when they register" in caplog.text
         assert mgr.failure_records[23].endswith("before sending all of its KV")

@@ -86,6 +86,7 @@ def _owned(rank=0, cp_size=2, pages=(1, 2, 3, 4), start=0):
     ("position beyond decode's pages", "page position 4 is outside the 4 pages decode 127.0.0.1:5555"),
     ("physical page beyond the pool", "physical KV page 11 is outside this rank's registered pages [1, 11)"),
     ("hisparse decode", "decode 127.0.0.1:5555 runs HiSparse"),
+    ("dcp relayout decode", "give decode the prefill's --dcp-size"),
     ("page range", "the shared-KV page filter did not run"),
     ("negative position", "negative page position -1"),
     ("pages and positions differ", "2 pages but 1 positions"),
@@ -99,6 +100,8 @@ def test_chunk_problems(case, expected):
         physical, positions = _owned(pages=[1, 2, 3, 21])
     elif case == "hisparse decode":
         dst = Destination("127.0.0.1:5555", pages=4, hisparse=True)
+    elif case == "dcp relayout decode":
+        dst = Destination("127.0.0.1:5555", pages=4, relayout=True)
     elif case == "page range":
         positions = slice(0, 2)
     elif case == "negative position":

@@ -11,9 +11,11 @@ contiguous share of *logical* pages. Under the flag each rank instead sends:
   decode prefix exactly as SGLang counts chunk positions (``MooncakeKVSender.curr_idx``).
   The positions travel as an integer array through ``TransferKVChunk.index_slice``; the
   transfer worker's ``req.dst_kv_indices[index_slice]`` then picks the destinations.
-* **NSA index state** (last chunk): the index pages it owns, with positions over the
-  *full* sequence from token 0 (SGLang's NSA state payload, on both sides, starts at 0
-  even when decode has a prefix), as :class:`.pages.OwnedStatePages`.
+* **NSA index state** (last chunk): the index pages it owns, with positions in SGLang's
+  index page list (on both sides over the *full* sequence from token 0 on 0.5.12.post1,
+  even when decode has a prefix; from decode's cached prefix on 0.5.23), as
+  :class:`.pages.OwnedStatePages`. SGLang 0.5.23 sends that list from CP rank 0 only; under
+  the flag every rank sends its own.
 * **aux** (last chunk), as stock: every rank, even one that owns nothing, completes the
   request so decode collects one response per prefill CP rank.
 
@@ -43,7 +45,8 @@ Pages and descriptors per rank per chunk are logged at debug level and counted
 (:func:`.prefill.transfer_stats`; Prometheus counters with ``--enable-metrics``).
 
 Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``rooms`` <-
-``prefill``, ``decode`` <- ``hooks``; this package module imports nothing):
+``room_failures`` <- ``prefill``, ``decode`` <- ``hooks``, ``hooks_dsa``; this package
+module imports nothing):
 
 * :mod:`.pages` -- page, run and descriptor arithmetic: the chunk filter, the checks
   before enqueueing, index-state ownership, bounded batches, the batch-size setting
@@ -53,8 +56,12 @@ Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``roo
 * :mod:`.stats` -- :class:`.stats.TransferStats` and the Prometheus counters;
 * :mod:`.rooms` -- a room's decode targets read safely, the failed mark, the write-failure
   hand-off, and the cause and abort messages to decode;
+* :mod:`.room_failures` -- when a prefill rank tells decode a room failed (an abort; the
+  cause ahead of SGLang's Failed status);
 * :mod:`.prefill` -- the sender state of one prefill manager
   (:class:`.prefill.PrefillShardTransfer`, ``prefill_transfer``, ``transfer_stats``);
 * :mod:`.decode` -- decode keeps the cause and names it in its failure;
-* :mod:`.hooks` -- the thin hook functions ``plugin.HOOKS`` registers.
+* :mod:`.hooks` -- the thin hook functions ``plugin.HOOKS`` registers (and 0.5.23's table
+  where the target kept its shape);
+* :mod:`.hooks_dsa` -- the SGLang 0.5.23 hooks whose targets changed shape.
 """

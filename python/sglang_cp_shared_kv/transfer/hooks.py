@@ -1,4 +1,6 @@
-"""The PD transfer hooks (``plugin.HOOKS``, block "PD transfer of each rank's shard").
+"""The PD transfer hooks (``plugin.HOOKS``, block "PD transfer of each rank's shard"; on
+SGLang 0.5.23 the same block of ``plugin._table_0523`` takes these where their targets kept
+their shape, and :mod:`.hooks_dsa`'s where they changed).
 
 Each one is thin: it finds the manager's shard-transfer state
 (:func:`.prefill.prefill_transfer`, None unless the flag is on and the manager is a
@@ -38,12 +40,14 @@ def check_transfer_matches_pool(kv_mgr, queue, *args, **kwargs):
     return kv_mgr
 
 
-def filter_owned_pages(original, kv_mgr, kv_indices, index_slice):
+def filter_owned_pages(original, kv_mgr, kv_indices, index_slice, *args, **kwargs):
     """AROUND ``disaggregation.utils.filter_kv_indices_for_cp_rank`` (imported by name by
-    every backend; the hook registry rebinds those names too)."""
+    every backend; the hook registry rebinds those names too). ``args``/``kwargs``: what a
+    release adds (0.5.23: the request's ``total_pages``, which its position-bounded split
+    needs and the owner filter does not)."""
     context = prefill_transfer(kv_mgr)
     if context is None:
-        return original(kv_mgr, kv_indices, index_slice)
+        return original(kv_mgr, kv_indices, index_slice, *args, **kwargs)
     return context.owned_pages(kv_indices, index_slice)
 
 
@@ -61,7 +65,8 @@ def _delegate_to_shard_transfer(method: str, doc: str):
 
 
 enqueue_owned_chunk = _delegate_to_shard_transfer(
-    "enqueue", "AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing.")
+    "enqueue", "AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing (0.5.23's "
+               "extra keywords travel with the chunk).")
 write_in_bounded_batches = _delegate_to_shard_transfer(
     "write", "AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write).")
 send_owned_state_pages = _delegate_to_shard_transfer(
@@ -112,7 +117,7 @@ def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, sta
     status, tell decode why (same socket, so decode reads the cause first)."""
     context = prefill_transfer(kv_mgr)
     if context is not None and status == sg.KVPoll.Failed:
-        context.report_failure(kv_mgr, remote, dst_port, room)
+        context.report_failure(kv_mgr, room, [(remote, dst_port)])
     return original(kv_mgr, remote, dst_port, room, status, prefill_rank)
 
 

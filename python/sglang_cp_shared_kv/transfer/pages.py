@@ -83,6 +83,7 @@ class Destination:
     name: str  #: ``host:port``
     pages: int  #: pages decode preallocated after its prefix (``len(dst_kv_indices)``)
     hisparse: bool = False
+    relayout: bool = False  #: decode runs another decode-CP layout (SGLang 0.5.23's DCP relayout)
 
 
 def chunk_problem(physical_pages, positions, kv_buffer_pages: int,
@@ -115,6 +116,10 @@ def chunk_problem(physical_pages, positions, kv_buffer_pages: int,
         if dst.hisparse:
             return (f"decode {dst.name} runs HiSparse, whose page-range "
                     "transfer cannot take page positions; not supported with shared KV")
+        if dst.relayout:
+            return (f"decode {dst.name} runs another decode context-parallel (DCP) layout, whose "
+                    "relayout transfer sends whole chunks, not page positions; not supported with shared KV "
+                    "(give decode the prefill's --dcp-size)")
         if positions.size and int(positions.max()) >= dst.pages:
             return (f"page position {int(positions.max())} is outside the {dst.pages} "
                     f"pages decode {dst.name} preallocated (positions count from "

@@ -26,7 +26,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, shares_kv
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.nvtx import marked
-from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failed_status, encode_failure_cause
+from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms
 from sglang_cp_shared_kv.transfer.pages import (
     ChunkPositions,
     CpSharedKVTransferError,
@@ -42,16 +42,8 @@ from sglang_cp_shared_kv.transfer.pages import (
     resolve_max_descriptors_per_batch,
     state_pages_to_send,
 )
-from sglang_cp_shared_kv.transfer.rooms import (
-    FAILED_ATTR,
-    AbortNotices,
-    WriteFailureHandOff,
-    mark_failed,
-    prefill_unique_rank,
-    registration_complete,
-    room_targets,
-    send_failure_cause,
-)
+from sglang_cp_shared_kv.transfer.room_failures import RoomFailureNotices
+from sglang_cp_shared_kv.transfer.rooms import FAILED_ATTR, AbortNotices, WriteFailureHandOff, mark_failed, room_targets
 from sglang_cp_shared_kv.transfer.stats import RankCounters, TransferStats
 
 logger = logging.getLogger(__name__)
@@ -59,8 +51,9 @@ logger = logging.getLogger(__name__)
 _CONTEXT_ATTR = "_cp_shared_kv_shard_transfer"
 _CONTEXT_LOCK = threading.Lock()
 
-class PrefillShardTransfer:
-    """The shared-KV transfer state of one prefill ``MooncakeKVManager`` (one CP rank)."""
+class PrefillShardTransfer(RoomFailureNotices):
+    """The shared-KV transfer state of one prefill ``MooncakeKVManager`` (one CP rank); how
+    it tells decode that a room failed is :class:`.room_failures.RoomFailureNotices`'."""
 
     def __init__(self, kv_mgr):
         problems = []
@@ -86,9 +79,9 @@ class PrefillShardTransfer:
         self.kv_buffer_pages = min(n // item for n, item in zip(args.kv_data_lens, args.kv_item_lens))
         self.state_buffer_pages: Dict[int, int] = {}
         self.state_layers: Dict[int, int] = {}
-        nsa = sg.StateType.NSA
+        index_state = sg.INDEX_STATE_TYPE  # StateType.NSA on 0.5.12.post1, .DSA on 0.5.23
         for i, state_type in enumerate(getattr(args, "state_types", []) or []):
-            if state_type == nsa:
+            if state_type == index_state:
                 self.state_buffer_pages[i] = min(
                     n // item for n, item in zip(args.state_data_lens[i], args.state_item_lens[i]))
                 self.state_layers[i] = len(args.state_data_ptrs[i])
@@ -129,9 +122,11 @@ class PrefillShardTransfer:
         return filter_chunk(self.layout, logical_pages, index_slice)
 
     def enqueue(self, original, kv_mgr, bootstrap_room, kv_indices, index_slice, is_last_chunk,
-                aux_index=None, state_indices=None):
+                aux_index=None, state_indices=None, **chunk_extras):
         """``add_transfer_request`` under the flag: ``kv_indices`` are this rank's physical
-        pages and ``index_slice`` their request positions (from :meth:`owned_pages`)."""
+        pages and ``index_slice`` their request positions (from :meth:`owned_pages`).
+        ``chunk_extras``: the keywords a release adds to the chunk (0.5.23: its token count
+        and events), handed on with the chunk's pages."""
         room = bootstrap_room
         if self._rejected.get(room) is not None:
             return None
@@ -139,7 +134,7 @@ class PrefillShardTransfer:
                 or room not in kv_mgr.transfer_infos):
             # SGLang drops chunks of failed and unknown rooms itself.
             return original(kv_mgr, room, kv_indices, index_slice, is_last_chunk,
-                            aux_index=aux_index, state_indices=state_indices)
+                            aux_index=aux_index, state_indices=state_indices, **chunk_extras)
         physical_pages, positions = kv_indices, index_slice
         problem = chunk_problem(physical_pages, positions, self.kv_buffer_pages, self._destinations(kv_mgr, room),
                                 is_last_chunk=bool(is_last_chunk))
@@ -169,7 +164,7 @@ class PrefillShardTransfer:
         if owned == 0 and not is_last_chunk:
             return None  # nothing of this chunk is ours; the last chunk always goes (aux, state)
         return original(kv_mgr, room, physical_pages, positions, is_last_chunk,
-                        aux_index=aux_index, state_indices=state_indices)
+                        aux_index=aux_index, state_indices=state_indices, **chunk_extras)
 
     @staticmethod
     def _destinations(kv_mgr, room) -> List[Destination]:
@@ -178,8 +173,12 @@ class PrefillShardTransfer:
             if info.is_dummy:
                 continue
             registration = kv_mgr.decode_kv_args_table.get(info.mooncake_session_id)
+            # HiSparse decode: a registration flag on 0.5.12.post1, device pages per room on 0.5.23
+            hisparse = (bool(getattr(registration, "enable_hisparse", False))
+                        or getattr(info, "dst_device_kv_indices", None) is not None)
             out.append(Destination(name=f"{info.endpoint}:{info.dst_port}", pages=len(info.dst_kv_indices),
-                                   hisparse=bool(registration is not None and registration.enable_hisparse)))
+                                   hisparse=hisparse,
+                                   relayout=bool(getattr(registration, "requires_dcp_relayout", False))))
         return out
 
     def own_state_pages_in_place(self, state_indices: List) -> Optional[str]:
@@ -214,70 +213,6 @@ class PrefillShardTransfer:
         # whose aux write send_aux withholds -> Failed on both sides.
         return original(kv_mgr, room, np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64), True,
                         aux_index=0 if aux_index is None else aux_index, state_indices=None)
-
-    def fail_unsent_room(self, kv_mgr, room, why: str, *, record: bool = True) -> bool:
-        """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now
-        instead of after its waiting timeout -- the cause, then SGLang's Failed status, to
-        every decode target of the room. Any chunk of the room still to come is dropped and
-        its aux write withheld. Targets that have not registered the room with this rank
-        yet are told when they have (:meth:`tell_late_registration`). ``record``: keep the
-        cause for the prefill's own ``failure_exception`` (False where SGLang never reads
-        it, which would leave it in ``failure_records`` for good). False when the room has
-        concluded or was already failed (nothing to tell).
-
-        NOTE: sent from the caller's thread (SGLang's scheduler, which aborts), on sockets
-        only this path uses: SGLang clears the room's ``transfer_infos`` right after an
-        abort (``failure_exception`` -> ``clear``), so a chunk handed to its transfer
-        worker could find no target left; and its cached status sockets belong to the
-        worker threads."""
-        status = kv_mgr.request_status.get(room)
-        if status in (None, sg.KVPoll.Success, sg.KVPoll.Failed) or self._rejected.get(room):
-            return False
-        message = f"{self.who}: room {room} ends unsent: {why}"
-        self._rejected.put(room, message)
-        if record:
-            kv_mgr.record_failure(room, message)
-        self.stats.add(aborted_requests=1)
-        self.counters.count("failures", "aborted")
-        with self._registration_lock:
-            targets = room_targets(kv_mgr, room)
-            mark_failed(targets, message)
-            told = self._tell_decode(kv_mgr, room, message, targets)
-            complete = registration_complete(targets)
-            if not complete:
-                self._aborted_unregistered.put(room, (message, told))
-        if not complete:
-            logger.info("CP shared KV transfer: %s; %d decode target(s) told, the rest when they register",
-                        message, len(told))
-        return True
-
-    def tell_late_registration(self, kv_mgr, room, status) -> None:
-        """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
-        registered it with this rank): the targets of a room aborted before that, not told
-        yet, are failed now instead of waiting for their timeout."""
-        if status != sg.KVPoll.WaitingForInput or not len(self._aborted_unregistered):
-            return
-        with self._registration_lock:
-            pending = self._aborted_unregistered.pop(room)
-        if pending is not None:
-            message, told = pending
-            targets = room_targets(kv_mgr, room)
-            mark_failed(targets, message)
-            self._tell_decode(kv_mgr, room, message,
-                              tuple(info for info in targets if info.mooncake_session_id not in told))
-
-    def _tell_decode(self, kv_mgr, room, message: str, targets) -> frozenset:
-        """The cause and SGLang's Failed status to each of ``targets`` (dummies skipped);
-        the session ids told."""
-        targets = [info for info in targets if not info.is_dummy]
-        if not targets:
-            return frozenset()
-        status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
-        for info in targets:
-            self._abort_notices.send(info.endpoint, info.dst_port, [
-                encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), status_frames])
-        logger.info("CP shared KV transfer: %s; decode told it failed (%d target(s))", message, len(targets))
-        return frozenset(info.mooncake_session_id for info in targets)
 
     # ----------------------------------------------------------- Mooncake writes
     def write(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
@@ -354,24 +289,6 @@ class PrefillShardTransfer:
         self.stats.add(**{f"failed_{kind}_writes": 1})
         self.counters.count("failures", kind)
         kv_mgr.record_failure(room, message)
-
-    # ---------------------------------------------------- failure reporting
-    def report_failure(self, kv_mgr, remote, dst_port, room) -> None:
-        """Just before SGLang's Failed status for ``room``: send decode the cause."""
-        cause = self.write_failures.take()  # set when SGLang's own KV-chunk path failed
-        with kv_mgr.failure_lock:
-            reason = kv_mgr.failure_records.get(room)
-            # Once the scheduler cleared the room it has read the record; do not recreate it.
-            if cause and reason is not None and room in kv_mgr.request_status:
-                reason = f"{reason}: {cause}"
-                kv_mgr.failure_records[room] = reason
-        if cause:
-            self.counters.count("failures", "kv")
-        text = reason or self._rejected.get(room) or cause or "the transfer failed (no cause recorded)"
-        if not text.startswith(self.who):
-            text = f"{self.who}: {text}"
-        send_failure_cause(kv_mgr, remote, dst_port, room, text)
-
 
 def built_prefill_transfer(kv_mgr) -> Optional[PrefillShardTransfer]:
     """The manager's shared-KV transfer state if it was built (at startup, flag on), else None."""

@@ -71,7 +71,7 @@ class WriteFailureHandOff(threading.local):
     * a KV chunk: ``send_kvcache`` (1282) -> ``_send_kvcache_generic`` ->
       ``process_layers`` -> ``_transfer_data`` (687, 661-665); on failure (1319)
       ``record_failure`` and ``sync_status_to_decode_endpoint(Failed)`` (1328-1340), whose
-      hook takes the cause (:meth:`.prefill.PrefillShardTransfer.report_failure`);
+      hook takes the cause (:meth:`.room_failures.RoomFailureNotices.report_failure`);
     * the NSA index: ``maybe_send_extra`` (1345) -> ``_send_kvcache_generic`` ->
       ``_transfer_data``; the ``maybe_send_extra`` hook takes it as that returns;
     * aux: ``send_aux`` (1353) -> ``_transfer_data`` (896); its hook takes it as it returns.
@@ -79,7 +79,9 @@ class WriteFailureHandOff(threading.local):
     ``sync_status_to_decode_endpoint`` has no other caller (1240, 1334, 1368, all in
     ``transfer_worker``). Exception: with ``SGLANG_MOONCAKE_CUSTOM_MEM_POOL`` SGLang writes
     the layers from executor threads (667-676); such a cause stays on that thread and is
-    only logged (docs/transfer.md, "Known limits").
+    only logged (docs/transfer.md, "Known limits"). Line numbers are 0.5.12.post1's; on 0.5.23
+    the reporter is ``conclude_transfer`` (via ``conclude_failure``), whose Mooncake callers
+    all run in ``transfer_worker`` too (mooncake/conn.py 1078, 2597, 2750, 2786, 2812).
     """
 
     def __init__(self) -> None:
@@ -103,7 +105,7 @@ def prefill_unique_rank(kv_mgr) -> int:
 
 class AbortNotices:
     """PUSH sockets to decode status endpoints, for the abort path only (see
-    :meth:`.prefill.PrefillShardTransfer.fail_unsent_room`): one per endpoint, kept, behind one lock;
+    :meth:`.room_failures.RoomFailureNotices.fail_unsent_room`): one per endpoint, kept, behind one lock;
     a message to an unreachable decode waits in ZMQ's queue and never blocks the caller."""
 
     def __init__(self):

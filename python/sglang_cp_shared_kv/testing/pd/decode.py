@@ -1,6 +1,7 @@
-"""The decode side of the rig: a stock NSA pool receiving every room and checking it.
+"""The decode side of the rig: a stock NSA/DSA pool receiving every room and checking it.
 
-Owns :class:`DecodeSide`: a stock ``NSATokenToKVPool`` filled with :data:`SENTINEL`,
+Owns :class:`DecodeSide`: a stock ``NSATokenToKVPool`` (0.5.23: ``DSATokenToKVPool``) filled
+with :data:`SENTINEL`,
 its ``MooncakeKVManager`` in DECODE mode, preallocating a room's pages as
 ``DecodePreallocQueue`` does (decode prefix first, marked :data:`PREFIX_MARK`; contiguous
 or scattered), sending the metadata with ``MooncakeKVReceiver``, polling to
@@ -20,6 +21,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.testing.pd.geometry import PREFIX_MARK, SENTINEL, Geometry, content, index_pages, kv_pages
+from sglang_cp_shared_kv.testing.pd.releases import release
 from sglang_cp_shared_kv.testing.pd.sglang_side import (
     attention_identity,
     kv_args,
@@ -37,11 +39,12 @@ class DecodeSide:
         import torch
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
-        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
         spec = plan["decode"]
         self.geometry = geometry
-        self.pool = NSATokenToKVPool(spec["pages"] * PAGE_SIZE, **geometry.pool_kwargs())
+        self.release = release()
+        stock_pool, _ = self.release.pool_classes()
+        self.pool = stock_pool(spec["pages"] * PAGE_SIZE, **geometry.pool_kwargs())
         for layer in range(geometry.layers):
             kv_pages(self.pool, layer).fill_(SENTINEL)
             index_pages(self.pool, layer).fill_(SENTINEL)
@@ -62,7 +65,6 @@ class DecodeSide:
         import torch
         from sglang.srt.disaggregation.base.conn import KVPoll
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVReceiver
-        from sglang.srt.mem_cache.common import kv_to_page_indices
 
         total = len(room["logical_pages"])
         prefix = room["decode_prefix_pages"]
@@ -82,17 +84,19 @@ class DecodeSide:
         g = self.geometry
         for layer in range(g.layers):
             kv_pages(self.pool, layer)[pages_t[:prefix]] = PREFIX_MARK
+            if self.release.index_pages_from_prefix:  # decode keeps its cached prefix's index pages too
+                index_pages(self.pool, layer)[pages_t[:prefix]] = PREFIX_MARK
         seq_len = room["seq_len"]
         locs = (np.asarray(pages)[:, None] * PAGE_SIZE + np.arange(PAGE_SIZE)[None, :]).reshape(-1)[:seq_len]
         self.req_to_token[0, :seq_len] = torch.from_numpy(locs.astype(np.int32))
 
         # What DecodePreallocQueue sends: pages after the (page-aligned) decode prefix,
-        # and the NSA state pages over the whole sequence.
+        # and the index pages (over the whole sequence, or after the prefix: per release).
         prefix_len = prefix * PAGE_SIZE
-        dst = kv_to_page_indices(self.req_to_token[0, prefix_len:seq_len].numpy(), PAGE_SIZE)
+        dst = self.release.page_list(self.req_to_token[0], prefix_len, seq_len, PAGE_SIZE)
         if room.get("decode_short_by"):
             dst = dst[: len(dst) - room["decode_short_by"]]
-        state = [kv_to_page_indices(self.req_to_token[0, :seq_len].numpy(), PAGE_SIZE)]
+        state = [self.release.decode_index_pages(self.req_to_token[0], prefix_len, seq_len, PAGE_SIZE)]
         saved_timeout = self.kv_mgr.waiting_timeout
         if room.get("decode_waiting_timeout"):
             self.kv_mgr.waiting_timeout = room["decode_waiting_timeout"]
@@ -148,8 +152,11 @@ class DecodeSide:
             digest.update(index_got.tobytes())
             wrong_kv = np.nonzero((kv_got[prefix:] != kv_expected[prefix:]).any(axis=1))[0] + prefix
             wrong_prefix = np.nonzero((kv_got[:prefix] != PREFIX_MARK).any(axis=1))[0]
-            wrong_index = np.nonzero((index_got != index_expected).any(axis=1))[0]
-            wrong = (("kv", wrong_kv), ("decode-prefix kv overwritten", wrong_prefix), ("index", wrong_index))
+            index_from = prefix if self.release.index_pages_from_prefix else 0
+            wrong_index = np.nonzero((index_got[index_from:] != index_expected[index_from:]).any(axis=1))[0]
+            wrong_index_prefix = np.nonzero((index_got[:index_from] != PREFIX_MARK).any(axis=1))[0]
+            wrong = (("kv", wrong_kv), ("decode-prefix kv overwritten", wrong_prefix),
+                     ("index", wrong_index + index_from), ("decode-prefix index overwritten", wrong_index_prefix))
             for kind, where in wrong:
                 if where.size and len(problems) < 20:
                     problems.append(f"layer {layer}: {kind} wrong at positions {where[:8].tolist()}")

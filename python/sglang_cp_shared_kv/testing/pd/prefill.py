@@ -1,7 +1,7 @@
 """The prefill side of the rig: one CP rank of one prefill instance in this process.
 
 Owns :class:`PrefillInstance`: its pool (the plugin's physical pool with shared KV, a
-stock ``NSATokenToKVPool`` otherwise), its ``MooncakeKVManager`` in PREFILL mode, the
+stock ``NSATokenToKVPool`` / ``DSATokenToKVPool`` otherwise), its ``MooncakeKVManager`` in PREFILL mode, the
 scheduler attributes SGLang's ``send_kv_chunk`` reads, filling the pool with a room's
 content (only the pages this rank owns, with shared KV; or sending what a given pool
 already holds, ``room["content"] == "pool"``), and sending a room the way
@@ -25,6 +25,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.testing.pd.geometry import Geometry, content, index_pages, kv_pages
+from sglang_cp_shared_kv.testing.pd.releases import release
 from sglang_cp_shared_kv.testing.pd.sglang_side import (
     attention_identity,
     kv_args,
@@ -44,31 +45,33 @@ class PrefillInstance:
         import torch
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
-        from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
         from sglang_cp_shared_kv.context import CpSharedKVContext
         from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-        from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
         from sglang_cp_shared_kv.transfer.hooks import check_transfer_matches_pool
         from sglang_cp_shared_kv.transfer.pages import MAX_DESCRIPTORS_ENV
 
         self.name, self.spec, self.cp_rank, self.geometry = name, spec, cp_rank, geometry
         self.cp_size, self.shared = spec["cp_size"], spec["shared"]
         self.layout = CpSharedKVLayout(PAGE_SIZE, self.cp_size, cp_rank)
+        self.release = release()
+        stock_pool, shared_pool = self.release.pool_classes()
         if pool is not None:
             self.pool = pool
         elif self.shared:
-            self.pool = CpSharedNSATokenToKVPool(spec["physical_pages"] * PAGE_SIZE * self.cp_size,
-                                                 context=CpSharedKVContext(self.layout), **geometry.pool_kwargs())
+            self.pool = shared_pool(spec["physical_pages"] * PAGE_SIZE * self.cp_size,
+                                    context=CpSharedKVContext(self.layout), **geometry.pool_kwargs())
         else:
-            self.pool = NSATokenToKVPool(spec["physical_pages"] * PAGE_SIZE, **geometry.pool_kwargs())
+            self.pool = stock_pool(spec["physical_pages"] * PAGE_SIZE, **geometry.pool_kwargs())
+        for name, value in self.release.scheduler_extras().items():  # what send_kv_chunk reads besides
+            setattr(self, name, value)
         self.metadata = metadata_buffers(8)
         self.req_to_token = torch.zeros((1, max_seq_len), dtype=torch.int32)
         saved = os.environ.get(MAX_DESCRIPTORS_ENV)
         if spec.get("max_descriptors"):
             os.environ[MAX_DESCRIPTORS_ENV] = str(spec["max_descriptors"])
         try:
-            with attention_identity(cp_rank, self.cp_size):
+            with attention_identity(cp_rank, self.cp_size, spec["bootstrap_port"]):
                 self.kv_mgr = MooncakeKVManager(
                     kv_args(self.pool, self.metadata), DisaggregationMode.PREFILL,
                     server_args(spec["bootstrap_port"], self.shared, geometry.dtype), is_mla_backend=True)
@@ -83,7 +86,9 @@ class PrefillInstance:
     # The scheduler attributes send_kv_chunk reads.
     @property
     def token_to_kv_pool_allocator(self):
-        return SimpleNamespace(page_size=PAGE_SIZE)
+        # NOTE: no unified memory: the transfer ids are the page table's (SGLang's identity there)
+        return SimpleNamespace(page_size=PAGE_SIZE, translate_kv_indices_for_transfer=lambda indices: indices,
+                               get_kvcache=lambda: self.pool)
 
     @property
     def req_to_token_pool(self):
@@ -120,8 +125,6 @@ class PrefillInstance:
 
     def send(self, room: Dict[str, Any], my_proc: str) -> Dict[str, Any]:
         from sglang.srt.disaggregation.base.conn import KVPoll
-        from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
-        from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
         from sglang.srt.mem_cache.common import kv_to_page_num
 
         from sglang_cp_shared_kv.transfer.prefill import transfer_stats
@@ -130,19 +133,15 @@ class PrefillInstance:
         self.fill(room)
         fill_s = time.monotonic() - t0
         before = transfer_stats(self.kv_mgr)
-        sender = MooncakeKVSender(self.kv_mgr, f"127.0.0.1:{self.spec['bootstrap_port']}", room["room"], [0], 0)
-        req = SimpleNamespace(
-            rid=f"room-{room['room']}", bootstrap_room=room["room"], origin_input_ids=[1] * room["seq_len"],
-            output_ids=[room["first_token"]], req_pool_idx=0, start_send_idx=0, metadata_buffer_index=None,
-            disagg_kv_sender=sender, cached_tokens=0, cached_tokens_device=0, cached_tokens_host=0,
-            cached_tokens_storage=0, return_logprob=False, hidden_states_tensor=None)
+        sender = self.release.sender(self.kv_mgr, f"127.0.0.1:{self.spec['bootstrap_port']}", room["room"])
+        req = self.release.request(room["room"], sender, room["seq_len"], room["first_token"])
         ends = room["chunk_ends"]
         if room.get("prefill_refused"):
             # What stock SGLang's prefill makes of a prompt it refuses (over max_req_input_len):
             # Req.set_finish_with_abort keeps the request but replaces its prompt by one token
             # (schedule_batch.py, "set it to one token to skip the long prefill"), which is
             # then prefilled and sent to decode as a complete request.
-            req.origin_input_ids, req.return_logprob, ends = [0], False, [1]
+            req.origin_input_ids, req.return_logprob, req.extend_end, ends = [0], False, 1, [1]
         req.fill_ids = req.origin_input_ids
         if room.get("prefill_aborts") == "before_registration":
             # SGLang's abort_request on a request in the bootstrap queue before decode has
@@ -155,7 +154,7 @@ class PrefillInstance:
         first_send = None
         if status == KVPoll.WaitingForInput:
             # What PrefillBootstrapQueue.pop_bootstrapped does once decode is ready.
-            req.start_send_idx = sender.pop_decode_prefix_len()
+            self.release.bootstrapped(req, sender.pop_decode_prefix_len())
             num_pages = kv_to_page_num(len(req.origin_input_ids) - req.start_send_idx, PAGE_SIZE)
             req.metadata_buffer_index = room["aux_slot"]
             sender.init(num_pages, req.metadata_buffer_index)
@@ -168,8 +167,7 @@ class PrefillInstance:
                 ends = []
             for number, end in enumerate(ends, 1):
                 last = number == len(ends)
-                SchedulerDisaggregationPrefillMixin.send_kv_chunk(self, req, last_chunk=last,
-                                                                  end_idx=None if last else end)
+                self.release.send_kv_chunk(self, req, last, None if last else end)
                 if kill.get("proc") == my_proc and number == kill["after_chunks"]:
                     self._die_after_writes(before)
             status = poll_until(sender.poll, (KVPoll.Success, KVPoll.Failed), 100,

@@ -24,6 +24,7 @@ from typing import Any, Dict
 from sglang_cp_shared_kv.testing.pd.decode import DecodeSide
 from sglang_cp_shared_kv.testing.pd.geometry import Geometry
 from sglang_cp_shared_kv.testing.pd.prefill import PrefillInstance
+from sglang_cp_shared_kv.testing.pd.releases import release
 from sglang_cp_shared_kv.testing.pd.sglang_side import apply_transfer_hooks
 
 
@@ -44,6 +45,7 @@ def _serve(plan: Dict[str, Any], proc: str) -> Dict[str, Any]:
 
     # Small copies with torch's intra-op pool cost ~7 ms each on a 2-core box (vs 10 us).
     torch.set_num_threads(1)
+    release().setup_process(plan["workdir"], "decode" if spec["role"] == "decode" else "prefill")
     apply_transfer_hooks()
     init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     geometry = Geometry(**plan["geometry"])

@@ -1,0 +1,123 @@
+"""How one prefill CP rank tells decode that a room failed: the abort path (a room the
+prefill ends before its last chunk went out) and the cause ahead of SGLang's own Failed
+status. :class:`RoomFailureNotices` is a base of :class:`.prefill.PrefillShardTransfer`
+and uses its state (``who``, ``stats``, ``counters``, ``write_failures``, ``_rejected``,
+``_abort_notices``, ``_aborted_unregistered``, ``_registration_lock``); the messages
+themselves are :mod:`.rooms`' and :mod:`.failure_cause`'s.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Tuple
+
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.transfer.failure_cause import encode_failed_status, encode_failure_cause
+from sglang_cp_shared_kv.transfer.rooms import (
+    mark_failed,
+    prefill_unique_rank,
+    registration_complete,
+    room_targets,
+    send_failure_cause,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RoomFailureNotices:
+    """The failure notices of one prefill manager's shard transfer (a mixin: the state is
+    :class:`.prefill.PrefillShardTransfer`'s)."""
+
+    def fail_unsent_room(self, kv_mgr, room, why: str, *, record: bool = True) -> bool:
+        """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now
+        instead of after its waiting timeout -- the cause, then SGLang's Failed status, to
+        every decode target of the room. Any chunk of the room still to come is dropped and
+        its aux write withheld. Targets that have not registered the room with this rank
+        yet are told when they have (:meth:`tell_late_registration`). ``record``: keep the
+        cause for the prefill's own ``failure_exception`` (False where SGLang never reads
+        it, which would leave it in ``failure_records`` for good). False when the room has
+        concluded or was already failed (nothing to tell).
+
+        NOTE: sent from the caller's thread (SGLang's scheduler, which aborts), on sockets
+        only this path uses: SGLang clears the room's ``transfer_infos`` right after an
+        abort (``failure_exception`` -> ``clear``), so a chunk handed to its transfer
+        worker could find no target left; and its cached status sockets belong to the
+        worker threads."""
+        status = kv_mgr.request_status.get(room)
+        if status in (None, sg.KVPoll.Success, sg.KVPoll.Failed) or self._rejected.get(room):
+            return False
+        message = f"{self.who}: room {room} ends unsent: {why}"
+        self._rejected.put(room, message)
+        if record:
+            kv_mgr.record_failure(room, message)
+        self.stats.add(aborted_requests=1)
+        self.counters.count("failures", "aborted")
+        with self._registration_lock:
+            targets = room_targets(kv_mgr, room)
+            mark_failed(targets, message)
+            told = self._tell_decode(kv_mgr, room, message, targets)
+            complete = registration_complete(targets)
+            if not complete:
+                self._aborted_unregistered.put(room, (message, told))
+        if not complete:
+            logger.info("CP shared KV transfer: %s; %d decode target(s) told, the rest when they register",
+                        message, len(told))
+        return True
+
+    def tell_late_registration(self, kv_mgr, room, status) -> None:
+        """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
+        registered it with this rank): the targets of a room aborted before that, not told
+        yet, are failed now instead of waiting for their timeout."""
+        if status != sg.KVPoll.WaitingForInput or not len(self._aborted_unregistered):
+            return
+        with self._registration_lock:
+            pending = self._aborted_unregistered.pop(room)
+        if pending is not None:
+            message, told = pending
+            targets = room_targets(kv_mgr, room)
+            mark_failed(targets, message)
+            self._tell_decode(kv_mgr, room, message,
+                              tuple(info for info in targets if info.mooncake_session_id not in told))
+
+    def _tell_decode(self, kv_mgr, room, message: str, targets) -> frozenset:
+        """The cause and SGLang's Failed status to each of ``targets`` (dummies skipped);
+        the session ids told."""
+        targets = [info for info in targets if not info.is_dummy]
+        if not targets:
+            return frozenset()
+        status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
+        for info in targets:
+            self._abort_notices.send(info.endpoint, info.dst_port, [
+                encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), status_frames])
+        logger.info("CP shared KV transfer: %s; decode told it failed (%d target(s))", message, len(targets))
+        return frozenset(info.mooncake_session_id for info in targets)
+
+    def report_failure(self, kv_mgr, room, targets: Iterable[Tuple[str, int]],
+                       reason: Optional[str] = None) -> Optional[str]:
+        """Just before SGLang sends ``targets`` (decode ``(host, port)`` pairs) its Failed status
+        for ``room``: send each the cause first (same socket, so decode reads it first).
+
+        ``reason``: the failure reason SGLang is about to record itself (0.5.23's
+        ``conclude_transfer``); None where it recorded it before (0.5.12.post1). Returns
+        ``reason`` with the cause of a failed Mooncake write on this thread appended, for
+        SGLang to record."""
+        cause = self.write_failures.take()  # set when SGLang's own KV-chunk path failed
+        with kv_mgr.failure_lock:
+            recorded = kv_mgr.failure_records.get(room)
+            # Once the scheduler cleared the room it has read the record; do not recreate it.
+            if cause and recorded is not None and room in kv_mgr.request_status:
+                recorded = f"{recorded}: {cause}"
+                kv_mgr.failure_records[room] = recorded
+        if cause:
+            self.counters.count("failures", "kv")
+            if reason is not None:
+                reason = f"{reason}: {cause}"
+        text = recorded or reason or self._rejected.get(room) or cause or "the transfer failed (no cause recorded)"
+        if not text.startswith(self.who):
+            text = f"{self.who}: {text}"
+        for remote, dst_port in targets:
+            send_failure_cause(kv_mgr, remote, dst_port, room, text)
+        return reason
+
+
+__all__ = ["RoomFailureNotices"]
