@@ -16,7 +16,7 @@
 #                                  Mooncake engine (as for test; links libibverbs1); the
 #                                  port to 0.5.23 is under way: there the flag is validated in
 #                                  0.5.23's terms and refused (docs/design.md), and pytest
-#                                  runs the tests of test/conftest.py's PORT_IN_PROGRESS_TESTS.
+#                                  runs the tests of test/conftest.py's SGLANG_0523_TESTS.
 #                                  About 11 GB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

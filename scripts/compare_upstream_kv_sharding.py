@@ -25,7 +25,8 @@ Every figure comes from code called here or from a formula whose source lines th
 * ``pd``: Mooncake descriptors per prefill rank, whole request (KV per chunk, then the index
   state), into a fresh decode's consecutive pages. Ours ``transfer.pages`` on 0.5.12's
   compute-owner pages (its allocator, run by --ours-0512-python) and on interleaved pages 1..P
-  (the 0.5.23 plan); upstream ``filter_kv_indices_for_shard_rank``,
+  (0.5.23: what ``CpSharedInterleavedPagesAllocator`` hands a request on a fresh pool, SGLang's
+  free-list order); upstream ``filter_kv_indices_for_shard_rank``,
   ``_prepare_sharded_dsa_indices`` and ``group_concurrent_contiguous`` on its allocator's pages.
 * ``support``: each side's limits, with the line that imposes each.
 """
@@ -115,7 +116,7 @@ def formulas() -> dict:
             cite(UP + "layers/attention/dsa_backend.py", "k, k_rope = get_cp_strategy().all_gather_dsa_trtllm_fp8_kv("),
             cite(il, "kv = torch.cat((k, k_rope), dim=-1).view(torch.uint8)"),
             cite(il, "def materialize_full_indexer_k_cache")],
-        "chunk_gather_bytes, bf16 latent + bf16 index key (upstream bf16; ours 0.5.23 plan)": [
+        "chunk_gather_bytes, bf16 latent + bf16 index key (upstream bf16; ours 0.5.23)": [
             cite(il, "latent_cache = torch.cat([k_nope, k_rope], dim=-1).squeeze(1)"),
             cite(il, "def materialize_full_indexer_k_cache")],
         "chunk_gather_bytes, ours 0.5.12 phase 3 (SGLang's bf16 in-seq gathers)": [
@@ -288,7 +289,7 @@ def support() -> list:
     conn, api = UP + "disaggregation/common/conn.py", sglang_api
     rows = [
         ("CP strategy", "interleave only (DSA)", [cite(hook, 'or cfg.cp_strategy != "interleave"')],
-         f"0.5.12: in-seq-split (0.5.23 'zigzag') only; 0.5.23 port: {literal(dsa, 'CP_STRATEGY')}",
+         f"0.5.12: in-seq-split (0.5.23 'zigzag') only; 0.5.23: {literal(dsa, 'CP_STRATEGY')}",
          [cite(sa, 'nsa_prefill_cp_mode != "in-seq-split":'), cite(dsa, "CP_STRATEGY = ")]),
         ("attention backends", "trtllm for DSA prefill and decode", [cite(hook, 'cfg.dsa_prefill_backend != "trtllm"')],
          f"prefill {', '.join(literal(sa, 'SUPPORTED_NSA_PREFILL_BACKENDS'))}; trtllm refused (own fp8 layout)",
@@ -307,8 +308,10 @@ def support() -> list:
          [cite("python/sglang_cp_shared_kv/decode_admission.py", "tokens_needed(P) = P + reserved_decode_tokens")]),
         ("abort / transfer failure", "stock 0.5.23: the status frames carry the failure reason",
          [cite(conn, "def conclude_transfer("), cite(conn, "def abort(self):")],
-         "0.5.12: the cause reaches decode before Failed (abort, late registration, index write); not ported to 0.5.23",
+         "0.5.12 and 0.5.23: the cause reaches decode before Failed (abort, late registration, index write; "
+         "0.5.23: ahead of conclude_transfer)",
          [cite("python/sglang_cp_shared_kv/transfer/failure_cause.py", "def encode_failure_cause("),
+          cite("python/sglang_cp_shared_kv/transfer/hooks_dsa.py", "def report_failure_cause_to_decode("),
           cite("docs/design.md", "abort (scheduler thread)")]),
         ("PD transfer backends", "mooncake or nixl; DSA: Mooncake only",
          [cite(hook, 'not in ("mooncake", "nixl"):'), cite(hook, 'cfg.disaggregation_transfer_backend != "mooncake"')],
@@ -318,9 +321,10 @@ def support() -> list:
          "none: one transient dense view per layer (MLA: two with the prefetch)",
          [cite("docs/design.md", "Scratch lifetime: one layer's MLA and index views")]),
         ("on SGLang 0.5.23", "shipped", [cite(hook, "def handle_kv_cache_sharding(")],
-         f"refused: the port is in progress (issue 26); serves on {', '.join(api.SUPPORTED_SGLANG_VERSIONS)}; "
-         f"is_supported_base({api.PORT_IN_PROGRESS_VERSION!r}) = {api.is_supported_base(api.PORT_IN_PROGRESS_VERSION)}",
-         [cite(dsa, "NOT_PORTED = "), cite("python/sglang_cp_shared_kv/sglang_api.py", "SUPPORTED_SGLANG_VERSIONS = ")]),
+         f"serves on {', '.join(api.SUPPORTED_SGLANG_VERSIONS)} "
+         f"(is_supported_base({api.SGLANG_VERSION_0523!r}) = {api.is_supported_base(api.SGLANG_VERSION_0523)}); "
+         "on 0.5.23 bit-exact in the CPU rigs on its real classes, not run on a GPU (startup says so)",
+         [cite(dsa, "NOT_GPU_VERIFIED = ("), cite("python/sglang_cp_shared_kv/sglang_api.py", "SUPPORTED_SGLANG_VERSIONS = ")]),
     ]
     return [dict(zip(("item", "upstream", "upstream_where", "ours", "ours_where"), row)) for row in rows]
 
@@ -368,14 +372,14 @@ def main(argv=None) -> dict:
                 row = {**key, "kv_cache_dtype": dtype, "history_tokens": history, "chunk_tokens": chunk,
                        "upstream": {"history_out": history_out, "history_recv": received(history_out, n), "chunk_recv": received(
                                         chunk_gather_bytes(shape, chunk, 1 if dtype == "fp8_e4m3" else 2), n)},
-                       "ours_0523_plan_interleaved_pages": ours_gather(shape, n, dtype, interleaved, history // PAGE_SIZE, chunk)}
+                       "ours_0523_interleaved_pages": ours_gather(shape, n, dtype, interleaved, history // PAGE_SIZE, chunk)}
                 if (n, ctx) in compute_owner:
                     row["ours_0512_compute_owner_pages"] = ours_gather(shape, n, dtype, compute_owner[n, ctx],
                                                                        history // PAGE_SIZE, chunk)
                 gather.append(row)
             row = {**key, "chunk_tokens": chunk, "layers": shape.num_layers,
                    "upstream": Upstream.pd(shape.num_layers, n, (slots[::PAGE_SIZE] // PAGE_SIZE).numpy(), page_ends),
-                   "ours_0523_plan_interleaved_pages": ours_pd(shape, n, interleaved, page_ends)}
+                   "ours_0523_interleaved_pages": ours_pd(shape, n, interleaved, page_ends)}
             if (n, ctx) in compute_owner:
                 row["ours_0512_compute_owner_pages"] = ours_pd(shape, n, compute_owner[n, ctx], page_ends)
             pd.append(row)

@@ -2,9 +2,9 @@
 
 ``register`` only registers hooks, the table of the installed SGLang release
 (:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
-the flag serves on (``sglang_api.SGLANG_VERSION``); on 0.5.23, whose port is under way,
-its settings layer (the flag and its alias, validated in 0.5.23's terms, then refused), its
-pool and capacity hooks, the decode server's and the PD transfer's;
+the GPU-verified release (``sglang_api.SGLANG_VERSION``); on 0.5.23 its own table
+(:func:`_table_0523`: the flag and its alias validated in 0.5.23's terms, the pool and
+capacity, the forward path under interleave CP, the decode server and the PD transfer);
 on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
 :data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
 symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
@@ -44,6 +44,31 @@ _DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"  # 0.5.23
 
 
 @functools.cache
+def _transfer_hooks_on_both_releases() -> Tuple[HookSpec, ...]:
+    """The PD transfer hooks whose targets kept their shape from 0.5.12.post1 to 0.5.23 (the
+    filter and ``add_transfer_request`` hand 0.5.23's new arguments on)."""
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+
+    return (
+        HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages,
+                 "around"),
+        HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
+        # an aborted request: decode told at once (bootstrap/in-flight queues; aborted before
+        # decode registered it: told when it registers)
+        HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
+                 "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
+    )
+
+
+@functools.cache
 def _hook_table() -> Tuple[HookSpec, ...]:
     """The hook table of the supported release (imports the modules that hold the hooks)."""
     from sglang_cp_shared_kv import capacity, decode_server, metrics
@@ -74,26 +99,13 @@ def _hook_table() -> Tuple[HookSpec, ...]:
         HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
                  forward.all_gather_in_seq_order, "around"),
         # --- PD transfer of each rank's shard
-        HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages,
-                 "around"),
+        *_transfer_hooks_on_both_releases(),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
-        HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
-        # an aborted request: decode told at once (bootstrap/in-flight queues; waiting queue;
-        # aborted before decode registered it: told when it registers)
-        HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
-                 "around"),
+        # an aborted request in the waiting queue: decode told at once
         HookSpec("sglang.srt.disaggregation.prefill.release_req_to_metadata_buffer",
                  transfer.fail_unsent_room_on_release, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
-                 "around"),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
                  transfer.report_failure_cause_to_decode, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,
@@ -111,7 +123,6 @@ def _table_0523() -> Tuple[HookSpec, ...]:
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa
     from sglang_cp_shared_kv import server_args_dsa as dsa
     from sglang_cp_shared_kv.forward import hooks_dsa as forward
-    from sglang_cp_shared_kv.transfer import hooks as transfer
     from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
 
     return (
@@ -134,28 +145,15 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",
                  decode_server_dsa.refuse_what_decode_can_never_hold, "around"),
         # --- PD transfer of each rank's shard
-        HookSpec("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", transfer.filter_owned_pages,
-                 "around"),
+        *_transfer_hooks_on_both_releases(),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer_dsa.prepare_prefill_transfer, "after"),
-        HookSpec(f"{_PREFILL_QUEUE}._init_kv_manager", transfer.check_transfer_matches_pool, "after"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.add_transfer_request", transfer.enqueue_owned_chunk, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._transfer_data", transfer.write_in_bounded_batches, "around"),
         # 0.5.23 sends the index pages from CP rank 0 only; each rank holds (and sends) its own
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager._should_skip_cp_replicated_state_transfer",
                  transfer_dsa.every_rank_sends_its_index_pages, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.maybe_send_extra", transfer.send_owned_state_pages, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.send_aux", transfer.send_aux_unless_failed, "around"),
-        # an aborted request: decode told at once (0.5.23 aborts every queue through the
-        # sender, so maybe_release_metadata_buffer, also called on a requeue, is not hooked;
-        # aborted before decode registered it: told when it registers)
-        HookSpec("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", transfer.fail_aborted_room_on_decode,
-                 "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.update_status", transfer.fail_late_registration_of_aborted_room,
-                 "around"),
+        # (0.5.23 aborts every queue through the sender, so maybe_release_metadata_buffer, also
+        # called on a requeue, is not hooked)
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.conclude_transfer", transfer_dsa.report_failure_cause_to_decode,
                  "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVManager._handle_aux_data", transfer.accept_failure_cause, "around"),
-        HookSpec(f"{_MOONCAKE}.MooncakeKVReceiver.failure_exception", transfer.failure_exception_with_cause, "around"),
     )
 
 
@@ -174,7 +172,7 @@ def __getattr__(name: str):
 
 def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
     """The hook table of an installed SGLang release."""
-    tables = {sg.SGLANG_VERSION: _hook_table, sg.PORT_IN_PROGRESS_VERSION: _table_0523}
+    tables = {sg.SGLANG_VERSION: _hook_table, sg.SGLANG_VERSION_0523: _table_0523}
     table = tables.get(sg.table_version(sglang_version))
     return table() if table is not None else UNSUPPORTED_BASE_HOOKS
 

@@ -1,4 +1,4 @@
-"""The flag on SGLang 0.5.23: its settings layer (issue 26, the port under way).
+"""The flag on SGLang 0.5.23: its settings layer.
 
 0.5.23 renamed NSA to DSA (``--dsa-prefill-backend``), turns prefill CP on with
 ``--enable-prefill-cp --cp-strategy interleave|zigzag``, and its ``ServerArgs`` is a
@@ -23,9 +23,9 @@ hooks (``plugin.hooks_for("0.5.23")``):
   flag is refused there, naming both (SGLang's step would refuse most such configurations
   in its own terms, or accept one and shard twice);
 * ``ServerArgs.check_server_args`` AFTER (main process, after resolution): every
-  problem, in 0.5.23's option names, then the one that stands whatever the settings:
-  the pool, forward and transfer hooks are not ported yet, so the flag stops startup
-  and names the release that serves (docs/design.md, "The CP strategy on 0.5.23").
+  problem, in 0.5.23's option names, refused together; a configuration without one
+  starts, with one WARNING that the 0.5.23 path has been proven on CPU rigs with SGLang's
+  real classes and not yet on a GPU (:data:`NOT_GPU_VERIFIED`).
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ CP_STRATEGY = "interleave"
 #: The same prefill backends under their DSA-era option (trtllm keeps its own fp8 layout
 #: and gathers it itself there too: ``all_gather_dsa_trtllm_fp8_kv``).
 SUPPORTED_DSA_PREFILL_BACKENDS = SUPPORTED_NSA_PREFILL_BACKENDS
-NOT_PORTED = (
-    f"sglang {sg.PORT_IN_PROGRESS_VERSION}: this release of the plugin validates these settings, builds its "
-    "shared-KV pool and runs its forward there, but its PD transfer hooks (Mooncake) are not ported to this "
-    "SGLang yet; serve with "
-    f"sglang=={sg.SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag (docs/design.md, "
-    f"'The CP strategy on {sg.PORT_IN_PROGRESS_VERSION}').")
+#: Said once at startup on 0.5.23 (docs/design.md, "The CP strategy on 0.5.23"). NOTE: the
+#: lent GPUs' image has torch 2.11, 0.5.23 needs torch 2.14.1: no 0.5.23 path has run on a GPU.
+NOT_GPU_VERIFIED = (
+    f"{FLAG} on sglang {sg.SGLANG_VERSION_0523}: the forward and the PD transfer are bit-exact against a "
+    "replicated pool in the CPU rigs on this release's real classes, but have not run on a GPU yet; "
+    f"sglang=={sg.SGLANG_VERSION} is the GPU-verified base (docs/design.md, 'The CP strategy on "
+    f"{sg.SGLANG_VERSION_0523}').")
 
 KV_SHARDING_CONFLICT = ("--enable-kv-cache-sharding: SGLang's own KV sharding and this plugin's shard the same "
                         "cache two ways; use one: drop --enable-kv-cache-sharding (it needs trtllm, fp8 and "
@@ -72,7 +73,7 @@ KV_SHARDING_CONFLICT = ("--enable-kv-cache-sharding: SGLang's own KV sharding an
 def add_flag_and_alias_to_parser(result, parser, *args, **kwargs):
     """AFTER ``ServerArgs.add_cli_args``: one option, two spellings."""
     parser.add_argument(FLAG, FLAG_ALIAS, dest=FLAG_DEST, action="store_true",
-                        help=f"{FLAG_HELP} On SGLang {sg.PORT_IN_PROGRESS_VERSION}: "
+                        help=f"{FLAG_HELP} On SGLang {sg.SGLANG_VERSION_0523}: "
                              "--enable-prefill-cp --cp-strategy interleave.")
     stock_options_keep_their_abbreviations(parser, FLAG)
     stock_options_keep_their_abbreviations(parser, FLAG_ALIAS)
@@ -130,8 +131,8 @@ def validate_after_stock_checks(result, server_args, *args, **kwargs):
     """AFTER ``ServerArgs.check_server_args`` (main process, after resolution)."""
     if is_enabled(server_args):
         hook_check.require_hooks_applied("main process")
-        raise CpSharedKVConfigError(f"{FLAG} cannot start with this configuration:\n"
-                                    + "\n".join(f"  - {p}" for p in configuration_problems(server_args)))
+        refuse_problems(configuration_problems(server_args))
+        logger.warning(NOT_GPU_VERIFIED)
     return result
 
 
@@ -141,24 +142,21 @@ def _prefill_graph_chosen(server_args) -> bool:
     return (graphs.Phase.PREFILL, "backend") in (getattr(server_args, "_cuda_graph_config_locked", None) or ())
 
 
-def configuration_problems(server_args) -> List[str]:
-    """Every reason ``server_args`` (resolved) cannot run with the flag, each naming the
-    setting and the fix in 0.5.23's option names; the last is :data:`NOT_PORTED`."""
-    return settings_problems(server_args) + [NOT_PORTED]
-
-
-def validate_in_scheduler(server_args) -> None:
-    """A scheduler process's check of the settings (before its pools are built). NOTE:
-    :data:`NOT_PORTED` is the main process's to raise: no scheduler process starts
-    without it passing, and the pool hooks run in the tests of the port."""
-    problems = settings_problems(server_args)
+def refuse_problems(problems: List[str]) -> None:
     if problems:
         raise CpSharedKVConfigError(f"{FLAG} cannot start with this configuration:\n"
                                     + "\n".join(f"  - {p}" for p in problems))
 
 
-def settings_problems(server_args) -> List[str]:
-    """:func:`configuration_problems` without :data:`NOT_PORTED`."""
+def validate_in_scheduler(server_args) -> None:
+    """A scheduler process's check of the settings (before its pools are built): the main
+    process checked them too, but a scheduler process can be started otherwise (an Engine)."""
+    refuse_problems(configuration_problems(server_args))
+
+
+def configuration_problems(server_args) -> List[str]:
+    """Every reason ``server_args`` (resolved) cannot run with the flag, each naming the
+    setting and the fix in 0.5.23's option names."""
     cfg = sg.resolved_view(server_args)
     problems: List[str] = []
 
@@ -188,7 +186,7 @@ def settings_problems(server_args) -> List[str]:
                f"--enable-prefill-cp --cp-strategy {CP_STRATEGY}.")
     elif cfg.cp_strategy != CP_STRATEGY:
         refuse(f"--cp-strategy {cfg.cp_strategy}",
-               f"in SGLang {sg.PORT_IN_PROGRESS_VERSION} DSA prefill CP is the interleave strategy (zigzag has no "
+               f"in SGLang {sg.SGLANG_VERSION_0523} DSA prefill CP is the interleave strategy (zigzag has no "
                f"DSA index-key gather there); set --cp-strategy {CP_STRATEGY}.")
     elif (cfg.attn_cp_size or 1) <= 1:
         refuse(f"attention CP size {cfg.attn_cp_size}", "there is nothing to shard with one CP rank; use "

@@ -26,18 +26,17 @@ import importlib
 import importlib.metadata
 from typing import Dict, Optional, Tuple
 
-#: The SGLang release the plugin serves on: GPU-verified, every hook, the default install.
+#: The GPU-verified release: every hook, local writes and compute-owner pages, the default
+#: install, the selfcheck's.
 SGLANG_VERSION = "0.5.12.post1"
-#: The release whose port is under way (issue 26; docs/design.md, "The CP strategy on
-#: 0.5.23"): its table holds the settings layer only -- the flag (and its DSA-era alias)
-#: parses, is carried into the scheduler processes and validated in 0.5.23's terms, and then
-#: refuses to start, naming what is not ported yet. NOTE: not a serving base until the pool,
-#: forward and transfer hooks land; until then it never runs with hooks that miss targets.
-PORT_IN_PROGRESS_VERSION = "0.5.23"
+#: The newest release (docs/design.md, "The CP strategy on 0.5.23"): DSA interleave CP, its
+#: own symbol and hook tables. NOTE: bit-exact in the CPU rigs on its real classes; no GPU
+#: here has its torch (2.14.1), so startup says it has not run on one.
+SGLANG_VERSION_0523 = "0.5.23"
 #: Releases the flag serves on.
-SUPPORTED_SGLANG_VERSIONS = (SGLANG_VERSION,)
+SUPPORTED_SGLANG_VERSIONS = (SGLANG_VERSION, SGLANG_VERSION_0523)
 #: Releases with a table of their own (the flag is known there, whatever it then does).
-SGLANG_VERSIONS_WITH_TABLES = (SGLANG_VERSION, PORT_IN_PROGRESS_VERSION)
+SGLANG_VERSIONS_WITH_TABLES = (SGLANG_VERSION, SGLANG_VERSION_0523)
 
 
 def installed_sglang_version() -> Optional[str]:
@@ -59,13 +58,31 @@ def table_version(version: Optional[str]) -> Optional[str]:
 
 def unsupported_base_problem(version: Optional[str]) -> str:
     """What the flag says on an SGLang it has no table for."""
-    supported = ", ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
+    supported = " or ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
     return (f"this sglang-cp-shared-kv release runs on {supported}, and the installed sglang is "
-            f"{version or 'not found'}: install sglang=={SGLANG_VERSION} (scripts/bootstrap.sh), or drop the flag")
+            f"{version or 'not found'}: install sglang=={SGLANG_VERSION} (scripts/bootstrap.sh; the GPU-verified "
+            f"one) or sglang=={SGLANG_VERSION_0523}, or drop the flag")
 
 #: name -> (module, attribute); attribute None: the module itself, dotted: an attribute of an
-#: attribute (an enum member). SGLang 0.5.12.post1.
+#: attribute (an enum member). The symbols both releases have where they are, meaning the same.
+_SYMBOLS_BOTH: Dict[str, Tuple[str, str | None]] = {
+    "envs": ("sglang.srt.environ", "envs"),
+    # --- PD transfer (Mooncake)
+    "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
+    "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
+    "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
+    "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
+    "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
+    # --- the decode server (its admission queue)
+    "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
+    # --- the plugin framework
+    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
+    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
+}
+
+#: SGLang 0.5.12.post1.
 _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
+    **_SYMBOLS_BOTH,
     # --- KV pool and allocator (subclassed; their module globals rebound while pools are built)
     "NSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "NSATokenToKVPool"),
     "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
@@ -82,25 +99,15 @@ _SYMBOLS_0512: Dict[str, Tuple[str, str | None]] = {
     "get_attention_cp_size": ("sglang.srt.layers.dp_attention", "get_attention_cp_size"),
     # --- configuration
     "is_deepseek_nsa": ("sglang.srt.configs.model_config", "is_deepseek_nsa"),
-    "envs": ("sglang.srt.environ", "envs"),
     # --- PD transfer (Mooncake)
-    "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
-    "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
     "INDEX_STATE_TYPE": ("sglang.srt.disaggregation.base.conn", "StateType.NSA"),  # the index pages' state
-    "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
-    "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
     "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
-    "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
-    # --- the decode server (its admission queue)
-    "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
-    # --- the plugin framework
-    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
-    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
 }
 
 #: SGLang 0.5.23: its settings layer, the pool and capacity, the forward path under interleave
 #: CP, the decode server and the PD transfer.
 _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
+    **_SYMBOLS_BOTH,
     # --- KV pool and allocator (subclassed; the configurator's module globals rebound while pools are built)
     "DSATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "DSATokenToKVPool"),
     "MLATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool"),
@@ -119,24 +126,14 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     # --- configuration (ServerArgs is a msgspec record resolved by named steps)
     "is_deepseek_dsa": ("sglang.srt.configs.model_config", "is_deepseek_dsa"),
     "model_config_of": ("sglang.srt.arg_groups.model_override_base", "model_config_of"),
-    "envs": ("sglang.srt.environ", "envs"),
     "resolved_view": ("sglang.srt.arg_groups.model_override_base", "resolved_view"),
     "resolving_view": ("sglang.srt.arg_groups.model_override_base", "resolving_view"),
     "declare_resolution": ("sglang.srt.arg_groups.overrides", "declare_resolution"),
     "cuda_graph_config": ("sglang.srt.model_executor.cuda_graph_config", None),
     # --- PD transfer (Mooncake; the same names as 0.5.12.post1's where they mean the same)
-    "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
-    "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
     "INDEX_STATE_TYPE": ("sglang.srt.disaggregation.base.conn", "StateType.DSA"),  # the index pages' state
-    "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
-    "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
     "KVTransferError": ("sglang.srt.disaggregation.common.conn", "KVTransferError"),
-    "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
-    # --- the decode server (its admission queue)
-    "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
-    # --- the plugin framework
-    "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
-    "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),
+    # --- the plugin framework (resolution steps)
     "resolution_hooks": ("sglang.srt.arg_groups.resolution_hooks", None),
 }
 
@@ -144,7 +141,7 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
 #: there is none: the unsupported path resolves no symbol).
 SYMBOLS_BY_VERSION: Dict[str, Dict[str, Tuple[str, str | None]]] = {
     SGLANG_VERSION: _SYMBOLS_0512,
-    PORT_IN_PROGRESS_VERSION: _SYMBOLS_0523,
+    SGLANG_VERSION_0523: _SYMBOLS_0523,
 }
 SYMBOLS = SYMBOLS_BY_VERSION[table_version(installed_sglang_version()) or SGLANG_VERSION]
 

@@ -29,8 +29,8 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 
-if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
-    pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
+if sg.installed_sglang_version() != sg.SGLANG_VERSION_0523:
+    pytest.skip(f"needs sglang {sg.SGLANG_VERSION_0523}", allow_module_level=True)
 
 from sglang_cp_shared_kv.config import FLAG  # noqa: E402
 from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS  # noqa: E402
@@ -295,7 +295,7 @@ def test_each_decode_scheduler_checks_its_own_configuration_at_startup(decode, g
     from sglang_cp_shared_kv.hook_check import missing_hooks
     from sglang_cp_shared_kv.plugin import hooks_for
 
-    assert missing_hooks(hooks_for(sg.PORT_IN_PROGRESS_VERSION)) == []
+    assert missing_hooks(hooks_for(sg.SGLANG_VERSION_0523)) == []
     assert hasattr(DecodePreallocQueue.__init__, "__wrapped__")  # the constructor SGLang runs is the hooked one
     decode(True)
     assert any(f"exceeds this pool's {POOL} tokens is refused at once" in m

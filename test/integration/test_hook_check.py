@@ -43,7 +43,7 @@ def test_broken_target_is_named(monkeypatch):
         # on a supported release the cause is elsewhere: another plugin or a patched SGLang
         assert f"sglang {sg.installed_sglang_version()} is a release the plugin has hooks for" in message
         monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.22")
-        expected = r"runs on sglang==0\.5\.12\.post1, and the installed sglang is 0\.5\.22"
+        expected = r"runs on sglang==0\.5\.12\.post1 or sglang==0\.5\.23, and the installed sglang is 0\.5\.22"
         with pytest.raises(CpSharedKVHookError, match=expected):
             require_hooks_applied("test process", [broken, *plugin.HOOKS])
     finally:

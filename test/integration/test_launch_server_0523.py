@@ -16,8 +16,8 @@ import pytest
 
 from sglang_cp_shared_kv import sglang_api as sg
 
-if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
-    pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
+if sg.installed_sglang_version() != sg.SGLANG_VERSION_0523:
+    pytest.skip(f"needs sglang {sg.SGLANG_VERSION_0523}", allow_module_level=True)
 
 STOPS_AT = "in handle_model_specific_adjustments"
 NO_GPU = "Found no NVIDIA driver on your system"

@@ -72,23 +72,26 @@ def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_k
         assert f"sglang_cp_shared_kv.{module}'" not in out.stdout
 
 
-def test_on_0523_the_table_is_the_port_so_far():
-    """0.5.23's port is under way: the flag parses (under its DSA-era alias too), rides into
-    the scheduler processes, is validated in 0.5.23's terms and then refused; the pool and
-    capacity hooks, the decode server's and the PD transfer's are in (test_sglang_0523_settings.py,
-    test_capacity_0523.py, test_pool_dsa_0523.py, test_decode_admission_0523.py,
-    test_transfer_hooks_0523.py and test_transfer_mooncake_e2e.py run them against 0.5.23's
-    real classes)."""
+def test_on_0523_the_table_holds_every_concern():
+    """0.5.23 is served: the flag parses (under its DSA-era alias too), rides into the
+    scheduler processes and is validated in 0.5.23's terms; the pool and capacity hooks, the
+    forward path's, the decode server's and the PD transfer's are in (test_sglang_0523_settings.py,
+    test_capacity_0523.py, test_pool_dsa_0523.py, test_forward_hooks_0523.py,
+    test_cp_harness_0523.py, test_decode_admission_0523.py, test_transfer_hooks_0523.py and
+    test_transfer_mooncake_e2e.py run them against 0.5.23's real classes)."""
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, server_args_dsa
+    from sglang_cp_shared_kv.forward import hooks_dsa as forward_dsa
     from sglang_cp_shared_kv.hook_check import RESOLUTION
     from sglang_cp_shared_kv.transfer import hooks as transfer
     from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
 
-    table = plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
-    assert not sg.is_supported_base(sg.PORT_IN_PROGRESS_VERSION)
+    table = plugin.hooks_for(sg.SGLANG_VERSION_0523)
+    assert sg.is_supported_base(sg.SGLANG_VERSION_0523)
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
-                                                         decode_server_dsa.__name__, transfer.__name__,
-                                                         transfer_dsa.__name__}
+                                                         forward_dsa.__name__, decode_server_dsa.__name__,
+                                                         transfer.__name__, transfer_dsa.__name__}
+    backend = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
+    indexer = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
     configurator = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
     decode_queue = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
     mooncake = "sglang.srt.disaggregation.mooncake.conn"
@@ -101,6 +104,10 @@ def test_on_0523_the_table_is_the_port_so_far():
         ("handle_kv_cache_sharding", RESOLUTION),
         (f"{configurator}._resolve_memory_pool_config", "after"),
         (f"{configurator}.configure", "around"),
+        (f"{backend}.init_forward_metadata", "after"),
+        (f"{backend}.forward_extend", "around"),
+        (f"{indexer}._store_index_k_cache", "around"),
+        (f"{indexer}._fused_k_prepare_and_store", "around"),
         (f"{decode_queue}.__init__", "after"),
         (f"{decode_queue}._check_if_req_exceed_kv_capacity", "around"),
         ("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", "around"),
@@ -111,4 +118,4 @@ def test_on_0523_the_table_is_the_port_so_far():
             "maybe_send_extra", "send_aux", "update_status", "conclude_transfer", "_handle_aux_data")),
         ("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", "around"),
         (f"{mooncake}.MooncakeKVReceiver.failure_exception", "around")}
-    assert sg.SYMBOLS_BY_VERSION[sg.PORT_IN_PROGRESS_VERSION] is not sg.SYMBOLS  # 0.5.12.post1's here
+    assert sg.SYMBOLS_BY_VERSION[sg.SGLANG_VERSION_0523] is not sg.SYMBOLS  # 0.5.12.post1's here

@@ -17,8 +17,8 @@ import pytest
 
 from sglang_cp_shared_kv import sglang_api as sg
 
-if sg.installed_sglang_version() != sg.PORT_IN_PROGRESS_VERSION:
-    pytest.skip(f"needs sglang {sg.PORT_IN_PROGRESS_VERSION}", allow_module_level=True)
+if sg.installed_sglang_version() != sg.SGLANG_VERSION_0523:
+    pytest.skip(f"needs sglang {sg.SGLANG_VERSION_0523}", allow_module_level=True)
 
 from sglang.srt.disaggregation.base.conn import KVPoll, StateType  # noqa: E402
 from sglang.srt.disaggregation.common import conn as common  # noqa: E402
@@ -115,7 +115,7 @@ def test_table_0523_hooks_what_0523_has():
     aborts every queue through the sender, and calls it on a requeue that is not an abort)."""
     import pkgutil
 
-    specs = [s for s in plugin.hooks_for(sg.PORT_IN_PROGRESS_VERSION)
+    specs = [s for s in plugin.hooks_for(sg.SGLANG_VERSION_0523)
              if s.hook.__module__ in (transfer.__name__, hooks_dsa.__name__)]
     for spec in specs:
         owner, name = spec.target.rsplit(".", 1)

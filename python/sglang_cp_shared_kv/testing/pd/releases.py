@@ -251,7 +251,7 @@ def release():
     from sglang_cp_shared_kv import sglang_api as sg
 
     version = sg.table_version(sg.installed_sglang_version())
-    return Release0523() if version == sg.PORT_IN_PROGRESS_VERSION else Release0512()
+    return Release0523() if version == sg.SGLANG_VERSION_0523 else Release0512()
 
 
 __all__ = ["Release0512", "Release0523", "release"]
