@@ -20,13 +20,17 @@ any process-wide record. NOTE: SGLang emits its constants at the end of
 without a GPU, so a hook there could not be verified on CPU machines. ``Scheduler.__init__``
 calls ``SchedulerMetricsMixin.install_device_timer_on_runners`` right after it
 (0.5.12.post1 ``managers/scheduler.py:437-438``), once, with the model worker and the
-metrics collector in place: our gauges are set AFTER that call.
+metrics collector in place: our gauges are set AFTER that call. On 0.5.23 SGLang emits its
+constants in a method of their own, ``Scheduler.emit_metrics_constants`` (and its scheduler
+module imports on a CPU): our gauges are set AFTER it, when its observability config has
+``--enable-metrics`` (the scheduler keeps no flag of its own there).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.capacity import context_of
 from sglang_cp_shared_kv.context import CapacitySplit
 from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
@@ -54,11 +58,24 @@ def scheduler_split(scheduler) -> Optional[CapacitySplit]:
     return None if context is None else context.split
 
 
-def emit_physical_capacity(result, scheduler, *args, **kwargs):
-    """AFTER ``SchedulerMetricsMixin.install_device_timer_on_runners`` (the scheduler's
-    next call after ``init_model_worker``, where SGLang emits its own constants)."""
+def _emit_for(scheduler) -> None:
+    """Our gauges beside the scheduler's constants (nothing when the flag is off)."""
     split = scheduler_split(scheduler)
     collector = getattr(scheduler, "metrics_collector", None)
-    if split is not None and getattr(scheduler, "enable_metrics", False) and collector is not None:
+    if split is not None and collector is not None:
         emit_capacity(collector, split)
+
+
+def emit_physical_capacity(result, scheduler, *args, **kwargs):
+    """AFTER ``SchedulerMetricsMixin.install_device_timer_on_runners`` (0.5.12.post1: the
+    scheduler's next call after ``init_model_worker``, where SGLang emits its own constants)."""
+    if getattr(scheduler, "enable_metrics", False):
+        _emit_for(scheduler)
+    return result
+
+
+def emit_physical_capacity_with_constants(result, scheduler, *args, **kwargs):
+    """AFTER ``Scheduler.emit_metrics_constants`` (0.5.23)."""
+    if sg.get_observability().enable_metrics:
+        _emit_for(scheduler)
     return result

@@ -120,7 +120,7 @@ def _table_0523() -> Tuple[HookSpec, ...]:
     (:mod:`.forward.hooks_dsa`), the decode server (:mod:`.decode_server_dsa`) and the PD
     transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_dsa` where 0.5.23 changed the
     target's shape)."""
-    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa
+    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, metrics
     from sglang_cp_shared_kv import server_args_dsa as dsa
     from sglang_cp_shared_kv.forward import hooks_dsa as forward
     from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
@@ -134,6 +134,8 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_dsa.configure_shared_pools, "around"),
+        HookSpec("sglang.srt.managers.scheduler.Scheduler.emit_metrics_constants",
+                 metrics.emit_physical_capacity_with_constants, "after"),
         # --- forward path (interleave CP): owner-only writes of the gathered chunk, dense-view reads
         HookSpec(f"{_DSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
         HookSpec(f"{_DSA_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),

@@ -115,6 +115,7 @@ _SYMBOLS_0523: Dict[str, Tuple[str, str | None]] = {
     "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
     "kv_cache_configurator": ("sglang.srt.mem_cache.kv_cache_configurator", None),
     "get_parallel": ("sglang.srt.runtime_context", "get_parallel"),
+    "get_observability": ("sglang.srt.runtime_context", "get_observability"),  # --enable-metrics
     # --- DSA index K (the same GetKAndS / SetKAndS interface as 0.5.12's accessor)
     "index_k_ops": ("sglang.kernels.ops.kvcache.dsa_index_k_cache", None),
     "can_use_fused_index_store": ("sglang.kernels.ops.kvcache.dsa_fused_store_index_cache",

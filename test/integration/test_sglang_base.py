@@ -79,7 +79,7 @@ def test_on_0523_the_table_holds_every_concern():
     test_capacity_0523.py, test_pool_dsa_0523.py, test_forward_hooks_0523.py,
     test_cp_harness_0523.py, test_decode_admission_0523.py, test_transfer_hooks_0523.py and
     test_transfer_mooncake_e2e.py run them against 0.5.23's real classes)."""
-    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, server_args_dsa
+    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, metrics, server_args_dsa
     from sglang_cp_shared_kv.forward import hooks_dsa as forward_dsa
     from sglang_cp_shared_kv.hook_check import RESOLUTION
     from sglang_cp_shared_kv.transfer import hooks as transfer
@@ -89,6 +89,7 @@ def test_on_0523_the_table_holds_every_concern():
     assert sg.is_supported_base(sg.SGLANG_VERSION_0523)
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
                                                          forward_dsa.__name__, decode_server_dsa.__name__,
+                                                         metrics.__name__,
                                                          transfer.__name__, transfer_dsa.__name__}
     backend = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
     indexer = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
@@ -104,6 +105,7 @@ def test_on_0523_the_table_holds_every_concern():
         ("handle_kv_cache_sharding", RESOLUTION),
         (f"{configurator}._resolve_memory_pool_config", "after"),
         (f"{configurator}.configure", "around"),
+        ("sglang.srt.managers.scheduler.Scheduler.emit_metrics_constants", "after"),
         (f"{backend}.init_forward_metadata", "after"),
         (f"{backend}.forward_extend", "around"),
         (f"{indexer}._store_index_k_cache", "around"),
