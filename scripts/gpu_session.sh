@@ -81,6 +81,15 @@ checkpoint() {  # PACK: $out as one archive, rewritten after every job
   [ -n "${PACK:-}" ] || return 0
   tar -cJf "$PACK.tmp" -C "$out" . 2>/dev/null && mv "$PACK.tmp" "$PACK"
 }
+pack_pd_runs() {  # the finished runs' records (carried to a later call by PD_SEED) and $out, packed
+  tar -cJf "$out/pd-logs.tar.xz.tmp" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null \
+    && mv "$out/pd-logs.tar.xz.tmp" "$out/pd-logs.tar.xz"
+  [ -z "${PACK:-}" ] || { tar -cJf "$PACK.tmp" -C "$out" --exclude='*.tmp' . 2>/dev/null && mv "$PACK.tmp" "$PACK"; }
+}
+# NOTE: one PD set can outlast a call (CP8, 10 runs at --parallel 5, did not end in 545 s on
+# 2026-12-03 and brought nothing back): while it runs, its finished runs are packed every
+# PACK_EVERY seconds, so a call stopped at its limit keeps them for PD_SEED.
+pack_pd_runs_every() { while sleep "$1"; do pack_pd_runs; done; }
 slug() { printf '%s' "$1" | sed -e 's/--//g' -e 's/[^A-Za-z0-9]\{1,\}/_/g' -e 's/^_//' -e 's/_$//'; }
 if [ "${TESTS:-}" != none ]; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-test/gpu} "$@" 2>&1 | tee "$out/gpu-tests.txt" || status=1
@@ -130,9 +139,11 @@ if [ -n "${PD:-}" ]; then
   IFS=';' read -ra sets <<< "$PD"
   for set in "${sets[@]}"; do
     name=e2e_pd_gpu; [ ${#sets[@]} -gt 1 ] && name=e2e_pd_gpu_$(slug "$set")
+    pack_pd_runs_every "${PACK_EVERY:-60}" & packer=$!
     python3 scripts/e2e_pd_gpu.py $set --workdir "$HOME/pd-work" --logdir "$out/pd-logs" \
       --out "$out/$name.json" > "$out/$name.txt" 2>&1 || status=1
-    tar -cJf "$out/pd-logs.tar.xz" -C "$HOME/pd-work" --exclude='tiny-*' . 2>/dev/null
+    kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
+    pack_pd_runs
     grep "^\[e2e-pd\]" "$out/$name.txt"; grep -E '"pass"' "$out/$name.txt" | tail -1
     checkpoint
   done

@@ -81,7 +81,8 @@ _FUSED_INDEX_STORE: dict = {}  # (key dtype, location dtype, page size) -> SGLan
 
 def _sglang_uses_fused_index_store(key: torch.Tensor, locs: torch.Tensor, page_size: int) -> bool:
     """Whether SGLang's index store takes its fused CUDA path for these dtypes (our kernel
-    reproduces that path's bytes, not the act_quant fallback's). A fact of the installed
+    reproduces that path's bytes, not the act_quant fallback's; the same kernel on both
+    releases: test_fused_index_store_source.py). A fact of the installed
     SGLang and these dtypes, the same in every process: cached per module."""
     if not key.is_cuda:
         return False
