@@ -113,18 +113,21 @@ def selfcheck(args, parser) -> int:
     from sglang_cp_shared_kv import sglang_api as sg
 
     installed = sg.installed_sglang_version()
-    if installed != sg.SGLANG_VERSION:
-        # NOTE: the selfcheck's rigs drive 0.5.12.post1's classes (the in-seq split, the NSA pool,
-        # its PD classes); on 0.5.23 the test suite runs the same path on its classes
-        parser.exit(2, f"{PROG} selfcheck: error: it drives sglang {sg.SGLANG_VERSION}'s classes, and the "
-                       f"installed sglang is {installed or 'not found'}"
-                       + (" (the flag serves there; its forward and PD transfer are checked by that environment's "
-                          "test suite: .venv-0.5.23/bin/python -m pytest -q)" if sg.table_version(installed) else "")
-                       + "; run it in the environment of scripts/bootstrap.sh test\n")
+    if sg.table_version(installed) is None:
+        parser.exit(2, f"{PROG} selfcheck: error: it drives the classes of sglang "
+                       f"{' or '.join(sg.SGLANG_VERSIONS_WITH_TABLES)}, and the installed sglang is "
+                       f"{installed or 'not found'}; run it in the environment of scripts/bootstrap.sh test "
+                       f"(or test-0.5.23)\n")
+    if installed == sg.SGLANG_VERSION_0523 and options.device == "cuda":
+        # NOTE: 0.5.23 needs torch 2.14.1, which no GPU this project has run on carries
+        parser.exit(2, f"{PROG} selfcheck: error: --device cuda on sglang {installed} has not been built: no GPU "
+                       f"image with its torch has run it; use --device cpu here, or --device cuda in the "
+                       f"sglang {sg.SGLANG_VERSION} environment\n")
     if importlib.util.find_spec("mooncake") is None:
+        target = "test-0.5.23" if installed == sg.SGLANG_VERSION_0523 else "test"
         parser.exit(2, f"{PROG} selfcheck: error: the Mooncake transfer engine is not installed; on a CPU machine "
-                       "run scripts/bootstrap.sh test (mooncake-transfer-engine-non-cuda, needs libibverbs1), with "
-                       "CUDA 13 pip install mooncake-transfer-engine-cuda13\n")
+                       f"run scripts/bootstrap.sh {target} (mooncake-transfer-engine-non-cuda, needs libibverbs1), "
+                       "with CUDA 13 pip install mooncake-transfer-engine-cuda13\n")
     # NOTE: imported here, not at the top: the planner must start without torch or SGLang.
     from sglang_cp_shared_kv.selfcheck.report import format_report
     from sglang_cp_shared_kv.selfcheck.run import run_selfcheck

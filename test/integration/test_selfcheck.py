@@ -1,6 +1,7 @@
 """``python -m sglang_cp_shared_kv selfcheck``: PASS on the real path at N = 2 and 4 (bf16 and
 fp8), FAIL naming the check for each fault it can inject, one-line errors for bad
-arguments, and JSON whose figures agree with the planner."""
+arguments, and JSON whose figures agree with the planner -- on the installed release's
+prefill CP (0.5.12.post1: in-seq split with local writes; 0.5.23: interleave)."""
 
 import json
 import subprocess
@@ -8,6 +9,7 @@ import sys
 
 import pytest
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
 from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
@@ -15,6 +17,15 @@ from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
 mooncake_engine_or_skip()
 
 CLI = [sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"]
+INSTALLED = sg.installed_sglang_version()
+#: how the default request's four forwards (the donor, then chunks of 512, 512 and 64 tokens)
+#: reach the shards: on 0.5.12.post1 the two 512-token chunks (2N x 64 rows for N = 2, 4) are
+#: stored where they were computed and SGLang gathers the donor (448) and the last chunk
+#: (64); interleave (0.5.23) computes rows of every page on every rank, so all are gathered
+DEFAULT_WRITE_PATHS = {
+    sg.SGLANG_VERSION: {"index=local,mla=local": 2, "index=gathered,mla=gathered": 2},
+    sg.SGLANG_VERSION_0523: {"index=gathered,mla=gathered": 4},
+}
 
 
 def selfcheck(*args, timeout=600):
@@ -45,9 +56,8 @@ def test_selfcheck_passes(args):
     assert cap["logical_tokens"] == planner["logical_tokens"] == n * cap["physical_tokens_per_rank"]
     assert cap["kv_bytes_per_rank"] == planner["kv_bytes_per_rank"]
     assert planner["page_size"] == PAGE_SIZE and planner["cp_size"] == n
-    # the two 512-token chunks are stored where they were computed (2N x 64 rows for N = 2, 4);
-    # the donor (448 tokens) and the last chunk (64) are gathered by SGLang
-    assert report["write_paths"] == {"index=local,mla=local": 2, "index=gathered,mla=gathered": 2}
+    assert report["sglang_version"] == INSTALLED
+    assert report["write_paths"] == DEFAULT_WRITE_PATHS[INSTALLED]
 
 
 def test_the_table_shows_every_figure_and_check():
@@ -61,9 +71,7 @@ def test_the_table_shows_every_figure_and_check():
     report = build_report(SelfcheckOptions(), [rank, rank], {"receive": {"status": "success", "verified": True},
                                                              "stray_writes": []}, 1.0, None)
     text = format_report(report)
-    from sglang_cp_shared_kv import sglang_api as sg
-
-    assert report["sglang_version"] == sg.SGLANG_VERSION and f"sglang {sg.SGLANG_VERSION}" in text.splitlines()[0]
+    assert report["sglang_version"] == INSTALLED and f"sglang {INSTALLED}" in text.splitlines()[0]
     assert "logical 1,280 tokens = 2 x physical 640 per rank" in text
     assert "FAIL  capacity" in text  # 1 B of KV per rank is not what the planner says for 640 tokens
     for line in ("PASS  prefill bit-exact", "PASS  decode pool", "PASS  every page sent once", "verdict: FAIL"):
@@ -76,8 +84,8 @@ def test_the_table_shows_every_figure_and_check():
     ("drop-batch", {"decode pool"}),
 ])
 def test_each_injected_fault_fails_the_check_that_catches_it(fault, caught_by):
-    # both chunks (512 and 256 tokens, N = 2) are stored where they were computed: the faults
-    # must be caught on that path too
+    # on 0.5.12.post1 both chunks (512 and 256 tokens, N = 2) are stored where they were
+    # computed: the faults must be caught on that path too
     code, out, err = selfcheck("--json", "--inject", fault, "--context-len", "1024", "--prefix-len", "256",
                                "--chunk-size", "512")
     report = json.loads(out)
@@ -111,16 +119,23 @@ def test_options_validate_themselves():
         SelfcheckOptions(device="tpu")
 
 
-@pytest.mark.parametrize("installed, named", [
-    ("0.5.23", "checked by that environment's test suite"),  # a table of its own, not the selfcheck's rigs
-    ("0.5.11", "the installed sglang is 0.5.11; run it"),
-])
-def test_on_a_base_it_cannot_drive_the_selfcheck_says_so_and_where_it_runs(installed, named, monkeypatch, capsys):
+def test_on_a_release_without_tables_the_selfcheck_says_which_it_drives(monkeypatch, capsys):
     from sglang_cp_shared_kv import __main__ as cli
-    from sglang_cp_shared_kv import sglang_api as sg
 
-    monkeypatch.setattr(sg, "installed_sglang_version", lambda: installed)
+    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.11")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["selfcheck"])
     message = capsys.readouterr().err
-    assert exit_.value.code == 2 and named in message and "scripts/bootstrap.sh test" in message
+    assert exit_.value.code == 2 and "the installed sglang is 0.5.11" in message
+    assert f"{sg.SGLANG_VERSION} or {sg.SGLANG_VERSION_0523}" in message and "scripts/bootstrap.sh test" in message
+
+
+def test_on_0523_a_cuda_selfcheck_is_refused_naming_where_it_runs(monkeypatch, capsys):
+    """No GPU image with 0.5.23's torch has run it: --device cuda there is refused, not tried."""
+    from sglang_cp_shared_kv import __main__ as cli
+
+    monkeypatch.setattr(sg, "installed_sglang_version", lambda: sg.SGLANG_VERSION_0523)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["selfcheck", "--device", "cuda"])
+    message = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--device cuda on sglang 0.5.23" in message and "--device cpu" in message

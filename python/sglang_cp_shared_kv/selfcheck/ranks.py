@@ -2,7 +2,10 @@
 
 A **rank** (:func:`rank_main`) joins a gloo CP group (SGLang's attention-CP
 ``GroupCoordinator`` over it), builds the plugin's shared-KV pool and allocator beside a
-replicated pool (:class:`~sglang_cp_shared_kv.testing.cp_rig_nsa.InSeqRig`), prefills a donor
+replicated pool -- the rig of the installed release's prefill CP (:data:`PREFILL_RIGS`:
+0.5.12.post1's in-seq split, :class:`~sglang_cp_shared_kv.testing.cp_rig_nsa.InSeqRig`;
+0.5.23's interleave, :class:`~sglang_cp_shared_kv.testing.cp_rig_dsa.InterleaveRig`, in the
+runtime context of CP rank r of an interleave prefill server) --, prefills a donor
 request (the radix-cache prefix), then the request that hits it, chunk by chunk, every
 forward through the plugin's hooks, comparing the stock kernels' inputs and a reference
 attention with the replicated pool's. Rank 0 writes what the replicated pool holds for
@@ -11,7 +14,7 @@ rank sends its shard over Mooncake through SGLang's PD classes
 (:class:`~sglang_cp_shared_kv.testing.pd.prefill.PrefillInstance`), rank 0 hosting the
 bootstrap server, and stays up until decode is done.
 
-**Decode** (:func:`decode_main`) holds a stock ``NSATokenToKVPool``, preallocates the
+**Decode** (:func:`decode_main`) holds the release's stock pool, preallocates the
 request's pages, receives every rank's shard and compares every byte with rank 0's file.
 
 Each process writes one JSON result into the work folder and reports progress on a queue.
@@ -19,6 +22,7 @@ Each process writes one JSON result into the work folder and reports progress on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -30,6 +34,7 @@ from typing import Any, Dict
 
 import numpy as np
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, PAGE_SIZE, mla_kv_cache_dim
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions
 
@@ -77,28 +82,53 @@ def _finish(workdir: Path, name: str, result: Dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------- ranks
+def _in_seq_rig(rank: int, options: SelfcheckOptions, port: int, workdir: Path, stack: contextlib.ExitStack):
+    """0.5.12.post1: the gloo CP group and SGLang's in-seq split settings, the in-seq rig."""
+    from sglang_cp_shared_kv.testing.cp_harness import init_rank_process
+    from sglang_cp_shared_kv.testing.cp_rig_nsa import InSeqRig
+
+    group = init_rank_process(rank, options.cp_size, port, options.device)
+    return InSeqRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
+                    physical_pages=physical_pages(options))
+
+
+def _interleave_rig(rank: int, options: SelfcheckOptions, port: int, workdir: Path, stack: contextlib.ExitStack):
+    """0.5.23: CP rank ``rank`` of an interleave prefill server (its runtime context, active
+    until ``stack`` closes, and its attention-CP group over gloo), the interleave rig."""
+    from sglang_cp_shared_kv.testing.cp_harness_dsa import init_interleave_rank
+    from sglang_cp_shared_kv.testing.cp_rig_dsa import InterleaveRig
+    from sglang_cp_shared_kv.testing.pd.releases import write_tiny_dsv32
+
+    group = init_interleave_rank(rank, options.cp_size, port, str(write_tiny_dsv32(workdir)), stack)
+    return InterleaveRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
+                         physical_pages=physical_pages(options))
+
+
+#: the rig of each release's prefill CP (its rank process set up as that release's scheduler)
+PREFILL_RIGS = {sg.SGLANG_VERSION: _in_seq_rig, sg.SGLANG_VERSION_0523: _interleave_rig}
+
+
 def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, bootstrap_port: int, events) -> None:
     workdir = Path(workdir)
     _log_to(workdir, f"rank{rank}")
     result: Dict[str, Any] = {"rank": rank}
     try:
-        from sglang_cp_shared_kv.testing.cp_harness import init_rank_process
-        from sglang_cp_shared_kv.testing.cp_rig_nsa import InSeqRig
-
-        group = init_rank_process(rank, options.cp_size, port, options.device)
-        rig = InSeqRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
-                  physical_pages=physical_pages(options))
-        result["capacity"] = _capacity(rig)
-        events.put(("ready", rank))
-        request = _prefill(rig, options, events)
-        result["prefill"] = {"errors": rig.errors[:20], "forwards": rig.stats["forwards"],
-                             "write_paths": rig.stats.get("write_paths", {}),
-                             "allocation": dataclasses.asdict(rig.allocator.stats),
-                             "request_pages": request.pages}
-        result["stored"] = _stored(rig, request.pages)
-        result["materialized_bytes_per_layer"] = _materialized_per_layer(rig, options, request.pages)
-        if rank == 0:
-            _write_expected(rig, request.pages, workdir)
+        with contextlib.ExitStack() as stack:
+            rig = PREFILL_RIGS[sg.table_version(sg.installed_sglang_version())](rank, options, port, workdir, stack)
+            result["capacity"] = _capacity(rig)
+            events.put(("ready", rank))
+            request = _prefill(rig, options, events)
+            result["prefill"] = {"errors": rig.errors[:20], "forwards": rig.stats["forwards"],
+                                 "write_paths": {f"index={index},mla={mla}": count
+                                                 for (index, mla), count in rig.shared.context.write_paths.items()},
+                                 "allocation": dataclasses.asdict(rig.allocator.stats),
+                                 "request_pages": request.pages}
+            result["stored"] = _stored(rig, request.pages)
+            result["materialized_bytes_per_layer"] = _materialized_per_layer(rig, options, request.pages)
+            if rank == 0:
+                _write_expected(rig, request.pages, workdir)
+        # NOTE: the CP rank's runtime context (0.5.23) ends with its prefill: the PD side
+        # publishes the prefill server's own (_send)
         result["transfer"] = _send(rig, rank, options, request.pages, workdir, bootstrap_port)
         events.put(("sent", rank))
         _wait_for(workdir / DONE_FILE, options.timeout_s)
@@ -110,12 +140,10 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
 
 def _capacity(rig) -> Dict[str, Any]:
     """What the capacity split gives this rank, beside a stock pool of the physical size."""
-    from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
-
     from sglang_cp_shared_kv.testing.cp_rig import LAYERS
 
     pool = rig.shared
-    stock = NSATokenToKVPool(pool.physical_size, page_size=PAGE_SIZE, kv_lora_rank=NSA_KV_LORA_RANK,
+    stock = type(rig.replicated)(pool.physical_size, page_size=PAGE_SIZE, kv_lora_rank=NSA_KV_LORA_RANK,
                              dtype=pool.dtype, qk_rope_head_dim=NSA_QK_ROPE_HEAD_DIM, layer_num=LAYERS,
                              device="cpu", index_head_dim=128, enable_memory_saver=False,
                              kv_cache_dim=pool.kv_buffer[0].shape[-1])
@@ -130,13 +158,12 @@ def _prefill(rig, options: SelfcheckOptions, events):
     corrupt = options.inject == "corrupt-shard" and rig.rank == 1
     skip_writes = options.inject == "skip-write" and rig.rank == 1
     if skip_writes:  # rank 1 drops its MLA and index writes into its shard (owner copies, local stores)
-        from sglang_cp_shared_kv import pool as pool_module
         from sglang_cp_shared_kv.forward import materialize, writes
 
         def dropped(*args, **kwargs):
             return None
 
-        pool_module.store_owned_mla_rows = dropped
+        sys.modules[type(rig.shared).__module__].store_owned_mla_rows = dropped  # the release's pool module
         materialize.copy_owned_mla_rows = materialize.copy_owned_index_rows = dropped
         writes.store_local_mla_rows = writes.store_local_index_rows = dropped
     prefix_pages = options.prefix_len // PAGE_SIZE
@@ -224,12 +251,10 @@ def _announce_pages(pages, workdir: Path) -> None:
 
 def _host_pool(pool):
     """The shard as a CPU pool (byte copy) for the loopback transfer when the forward ran on CUDA."""
-    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
-
     if pool.kv_buffer[0].device.type == "cpu":
         return pool
     kv = pool.kv_buffer[0]
-    host = CpSharedNSATokenToKVPool(pool.size, PAGE_SIZE, kv_lora_rank=NSA_KV_LORA_RANK, dtype=pool.dtype,
+    host = type(pool)(pool.size, PAGE_SIZE, kv_lora_rank=NSA_KV_LORA_RANK, dtype=pool.dtype,
                                     qk_rope_head_dim=NSA_QK_ROPE_HEAD_DIM, layer_num=len(pool.kv_buffer),
                                     device="cpu", index_head_dim=128, enable_memory_saver=False,
                                     kv_cache_dim=kv.shape[-1], context=pool.context)
@@ -244,8 +269,10 @@ def _send(rig, rank: int, options: SelfcheckOptions, pages, workdir: Path, boots
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
 
     from sglang_cp_shared_kv.testing.pd.prefill import PrefillInstance
+    from sglang_cp_shared_kv.testing.pd.releases import release
     from sglang_cp_shared_kv.testing.pd.sglang_side import apply_transfer_hooks
 
+    release().setup_process(str(workdir), "prefill")
     apply_transfer_hooks()
     init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
     if rank == 0:
@@ -286,8 +313,10 @@ def decode_main(options: SelfcheckOptions, workdir: str, bootstrap_port: int, ev
         )
 
         from sglang_cp_shared_kv.testing.pd.decode import DecodeSide
+        from sglang_cp_shared_kv.testing.pd.releases import release
         from sglang_cp_shared_kv.testing.pd.sglang_side import apply_transfer_hooks
 
+        release().setup_process(str(workdir), "decode")
         apply_transfer_hooks()
         init_mooncake_transfer_engine(hostname="127.0.0.1", gpu_id=0, ib_device=None)
         pages_needed = -(-options.context_len // PAGE_SIZE)

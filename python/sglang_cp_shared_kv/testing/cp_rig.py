@@ -87,6 +87,9 @@ class Request:
 class Rig:
     """One rank's pools, allocator and request table for one (dtype, debug) config."""
 
+    #: the module of the release's ``Indexer``, whose ``_store_index_k_cache`` the rig drives
+    INDEXER_MODULE = ""
+
     def __init__(self, rank: int, n: int, dtype_name: str, group, device: str, debug: str = "off",
                  physical_pages: int = 24, prefetch: bool = False):
         """``group``: SGLang's attention-CP ``GroupCoordinator``; ``prefetch``: gather each
@@ -217,9 +220,18 @@ class Rig:
         ``logical`` tokens."""
         raise NotImplementedError
 
-    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
-        """The release's ``ForwardBatch`` and attention backend of one request's extend."""
-        raise NotImplementedError
+    def _sglang_indexer(self):
+        """The release's ``Indexer`` class."""
+        import importlib
+
+        return importlib.import_module(self.INDEXER_MODULE).Indexer
+
+    def _counted_sglang_index_store(self, *args, **kwargs):
+        """SGLang's ``Indexer._store_index_k_cache`` as the shared pool's hook calls it (where
+        the fused kernel does not apply, e.g. on CPU), counted like the kernels."""
+        counts = self.stats["kernel_calls"]
+        counts["sglang_index_store"] = counts.get("sglang_index_store", 0) + 1
+        return self._sglang_indexer()._store_index_k_cache(*args, **kwargs)
 
     def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> "RigForward":
         """The forward's batches and backends, the plugin's ``init_forward_metadata`` hook,

@@ -37,6 +37,8 @@ class InterleaveRig(Rig):
     """One rank's pools, allocator and request table on 0.5.23 (module docstring); the
     request bookkeeping and the shard comparisons are :class:`.cp_rig.Rig`'s."""
 
+    INDEXER_MODULE = "sglang.srt.layers.attention.dsa.dsa_indexer"
+
     def __init__(self, rank: int, n: int, dtype_name: str, group, device: str = "cpu", debug: str = "off",
                  physical_pages: int = 24, prefetch: bool = False):
         """Inside the rank's runtime context (``get_parallel()`` answers CP rank ``rank`` of
@@ -113,7 +115,6 @@ class InterleaveRig(Rig):
     def _store_index(self, forward: RigForward, layer_id: int, key: torch.Tensor) -> None:
         """The chunk's index keys (gathered by interleave where SGLang splits) through the
         plugin's hook around 0.5.23's store, each pool's store inside its forward context."""
-        from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
         from sglang.srt.layers.cp.base import get_cp_strategy
         from sglang.srt.model_executor.forward_context import forward_context
 
@@ -128,7 +129,8 @@ class InterleaveRig(Rig):
             store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, fb_s, layer_id, key_s,
                                           act_quant=act_quant_reference)
         with forward_context(forward.extra["ctx_r"]):
-            Indexer._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key, act_quant=act_quant_reference)
+            self._sglang_indexer()._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key,
+                                                        act_quant=act_quant_reference)
 
     def _latent(self, fb, layer, k_nope: torch.Tensor, k_rope: torch.Tensor):
         """(k_nope, k_rope) as ``forward_extend`` receives them: gathered by interleave's
@@ -149,14 +151,6 @@ class InterleaveRig(Rig):
 
     def _end_forward(self) -> None:
         """Nothing to count: the pool's context counts every interleave forward as gathered."""
-
-    def _counted_sglang_index_store(self, *args, **kwargs):
-        """0.5.23's ``Indexer._store_index_k_cache`` as the shared pool's hook calls it, counted."""
-        from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
-
-        counts = self.stats["kernel_calls"]
-        counts["sglang_index_store"] = counts.get("sglang_index_store", 0) + 1
-        return Indexer._store_index_k_cache(*args, **kwargs)
 
     def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
         """The index K/scale the indexer kernels read (0.5.23 keeps only the fused K+scale

@@ -29,6 +29,8 @@ from sglang_cp_shared_kv.testing.cp_rig import Rig, RigForward, _cuda_streams_on
 class InSeqRig(Rig):
     """One rank's rig on 0.5.12.post1 (module docstring)."""
 
+    INDEXER_MODULE = "sglang.srt.layers.attention.nsa.nsa_indexer"
+
     def _pools(self, logical: int, context, kwargs):
         """(the plugin's shared pool, a stock replicated pool, the plugin's allocator) of
         ``logical`` tokens: 0.5.12.post1's NSA classes and the compute-owner allocator."""
@@ -130,15 +132,6 @@ class InSeqRig(Rig):
             return latent_kept_local(deepseek_v2.DeepseekV2AttentionMLA.rebuild_cp_kv_cache, attention,
                                      latent_cache, fb, nope, rope)
 
-    def _counted_sglang_index_store(self, *args, **kwargs):
-        """SGLang's ``Indexer._store_index_k_cache`` as the shared pool's hook calls it (where
-        the fused kernel does not apply, e.g. on CPU), counted like the kernels."""
-        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
-
-        counts = self.stats["kernel_calls"]
-        counts["sglang_index_store"] = counts.get("sglang_index_store", 0) + 1
-        return Indexer._store_index_k_cache(*args, **kwargs)
-
     def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> "RigForward":
         """The forward's batches and backends (the shared pool's through the plugin's
         ``init_forward_metadata`` hook), then SGLang's in-seq CP metadata, as the model builds
@@ -157,14 +150,13 @@ class InSeqRig(Rig):
         """The layer's index keys into both pools: the shared one through the plugin's hook
         around SGLang's store (the keys as SGLang's all-gather hands them over), the
         replicated one by SGLang's store of the whole chunk."""
-        from sglang.srt.layers.attention.nsa.nsa_indexer import Indexer
         from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
 
         from sglang_cp_shared_kv.forward.hooks import store_index_k_owned_and_dense
 
         store_index_k_owned_and_dense(self._counted_sglang_index_store, self.indexer, forward.fb_s, layer_id,
                                       self._index_key(forward.fb_s, key), act_quant=act_quant)
-        Indexer._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key, act_quant=act_quant)
+        self._sglang_indexer()._store_index_k_cache(self.indexer, forward.fb_r, layer_id, key, act_quant=act_quant)
 
     def _forward_extend_hook(self):
         """The plugin's hook around the backend's ``forward_extend`` (0.5.12.post1's)."""

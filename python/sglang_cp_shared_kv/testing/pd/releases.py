@@ -138,11 +138,7 @@ class Release0523(Release0512):
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
         from sglang.srt.server_args import prepare_server_args
 
-        from sglang_cp_shared_kv.testing.support import TINY_DSV32
-
-        model = Path(workdir) / "tiny-dsv32"
-        model.mkdir(exist_ok=True)
-        (model / "config.json").write_text(json.dumps(TINY_DSV32))
+        model = write_tiny_dsv32(workdir)
         # NOTE: resolution asks the GPU for its compute capability (the DSA backend defaults);
         # the rig answers what the H200 this targets would. No kernel runs here.
         torch.cuda.get_device_capability = lambda *a, **k: (9, 0)
@@ -246,6 +242,25 @@ class Release0523(Release0512):
         return self.page_list(req_to_token_row, prefix_len, seq_len, page_size)
 
 
+def write_tiny_dsv32(workdir) -> Path:
+    """``<workdir>/tiny-dsv32``, the tiny DeepSeek-V3.2 config SGLang 0.5.23 resolves server
+    arguments from. NOTE: every process of a run calls this on one folder while others may
+    already read it: the file appears whole (written beside it, then renamed), and is left
+    alone when it already holds the config."""
+    import os
+
+    from sglang_cp_shared_kv.testing.support import TINY_DSV32
+
+    model = Path(workdir) / "tiny-dsv32"
+    model.mkdir(parents=True, exist_ok=True)
+    config, text = model / "config.json", json.dumps(TINY_DSV32)
+    if not config.exists() or config.read_text() != text:
+        part = model / f"config.json.{os.getpid()}"
+        part.write_text(text)
+        os.replace(part, config)
+    return model
+
+
 def release():
     """The seam of the installed SGLang."""
     from sglang_cp_shared_kv import sglang_api as sg
@@ -254,4 +269,4 @@ def release():
     return Release0523() if version == sg.SGLANG_VERSION_0523 else Release0512()
 
 
-__all__ = ["Release0512", "Release0523", "release"]
+__all__ = ["Release0512", "Release0523", "release", "write_tiny_dsv32"]
