@@ -18,14 +18,19 @@ mooncake_engine_or_skip()
 
 CLI = [sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"]
 INSTALLED = sg.installed_sglang_version()
-#: how the default request's four forwards (the donor, then chunks of 512, 512 and 64 tokens)
-#: reach the shards: on 0.5.12.post1 the two 512-token chunks (2N x 64 rows for N = 2, 4) are
-#: stored where they were computed and SGLang gathers the donor (448) and the last chunk
-#: (64); interleave (0.5.23) computes rows of every page on every rank, so all are gathered
-DEFAULT_WRITE_PATHS = {
-    sg.SGLANG_VERSION: {"index=local,mla=local": 2, "index=gathered,mla=gathered": 2},
-    sg.SGLANG_VERSION_0523: {"index=gathered,mla=gathered": 4},
-}
+
+
+def default_write_paths(n: int) -> dict:
+    """How the default request's four forwards (the donor, then chunks of 512, 512 and 64
+    tokens) reach the shards: on 0.5.12.post1 a chunk of a multiple of 2N x 64 rows (512 for
+    N = 2, 4; not for N = 3) is stored where it was computed, SGLang gathers the rest (the
+    donor, 448, and the last chunk, 64, always); interleave (0.5.23) computes rows of every
+    page on every rank, so all are gathered."""
+    local = 2 if INSTALLED == sg.SGLANG_VERSION and 512 % (2 * n * PAGE_SIZE) == 0 else 0
+    paths = {"index=gathered,mla=gathered": 4 - local}
+    if local:
+        paths["index=local,mla=local"] = local
+    return paths
 
 
 def selfcheck(*args, timeout=600):
@@ -40,7 +45,8 @@ def checks_of(report):
 @pytest.mark.parametrize("args", [
     ["--json"],
     ["--json", "--cp-size", "4", "--kv-cache-dtype", "fp8_e4m3"],
-], ids=["N2-bf16-defaults", "N4-fp8"])
+    ["--json", "--cp-size", "3", "--kv-cache-dtype", "fp8_e4m3"],  # odd N: pages do not split evenly
+], ids=["N2-bf16-defaults", "N4-fp8", "N3-fp8"])
 def test_selfcheck_passes(args):
     code, out, err = selfcheck(*args)
     report = json.loads(out)
@@ -57,7 +63,7 @@ def test_selfcheck_passes(args):
     assert cap["kv_bytes_per_rank"] == planner["kv_bytes_per_rank"]
     assert planner["page_size"] == PAGE_SIZE and planner["cp_size"] == n
     assert report["sglang_version"] == INSTALLED
-    assert report["write_paths"] == DEFAULT_WRITE_PATHS[INSTALLED]
+    assert report["write_paths"] == default_write_paths(n)
 
 
 def test_the_table_shows_every_figure_and_check():
