@@ -286,6 +286,12 @@ def prefill_feature_problems(server_args, refuse) -> None:
                "it splits a prefill forward into two micro-batches, each with its own attention "
                "metadata, while shared KV builds one dense view per forward; not supported with "
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
+    if not server_args.disable_flashinfer_autotune and str(server_args.moe_runner_backend).startswith("flashinfer"):
+        # NOTE: 0.5.23's resolution declares the autotune off under the flag
+        # (server_args_dsa.flashinfer_autotune_off); 0.5.12.post1 has no such step
+        refuse(f"--moe-runner-backend {server_args.moe_runner_backend} with FlashInfer autotune",
+               "its warmup runs a decode-shaped dummy forward, which a shared-KV prefill rank does not run; "
+               "add --disable-flashinfer-autotune to the prefill server.")
     ray_problem(server_args, refuse, "every CP rank would run stock, replicated KV while this process "
                  "reports shared KV on", "prefill")
     if server_args.prefill_only_disable_kv_cache:

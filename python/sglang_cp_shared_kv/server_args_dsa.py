@@ -88,10 +88,13 @@ def from_cli_args_carrying_flag(original, cls, args, *rest, **kwargs):
 
 
 def prefill_cuda_graph_off(server_args, previous):
-    """Resolution step ``apply_prefill_cp_cuda_graph_default``, wrapped."""
+    """Resolution step ``apply_prefill_cp_cuda_graph_default``, wrapped: what SGLang would run
+    on a prefill rank outside a request and the shared pool cannot take is turned off -- the
+    prefill CUDA graph (said with a WARNING: it is on by default) and FlashInfer's autotune."""
     previous(server_args)
     if not is_enabled(server_args) or guards_decode(server_args):
         return
+    flashinfer_autotune_off(server_args)
     graphs = sg.cuda_graph_config
     config = sg.resolving_view(server_args).cuda_graph_config
     if config.prefill.backend == graphs.Backend.DISABLED or _prefill_graph_chosen(server_args):
@@ -102,6 +105,17 @@ def prefill_cuda_graph_off(server_args, previous):
     sg.declare_resolution(server_args, "cp_shared_kv.prefill_cuda_graph_off",
                           cuda_graph_config=graphs.with_phase(config, graphs.Phase.PREFILL,
                                                               backend=graphs.Backend.DISABLED))
+
+
+def flashinfer_autotune_off(server_args) -> None:
+    """FlashInfer's autotune (with a flashinfer MoE runner or GEMM) warms up through a
+    decode-shaped dummy forward on physical page 0, which a shared-KV prefill rank refuses
+    (only prefill runs there); SGLang skips it for its own KV sharding the same way
+    (``should_run_flashinfer_autotune``). Declared off, one INFO line."""
+    if not sg.resolving_view(server_args).disable_flashinfer_autotune:
+        logger.info("%s: FlashInfer autotune off: its warmup runs a decode-shaped dummy forward, which a shared-KV "
+                    "prefill rank does not run (kernels keep their default configurations).", FLAG)
+        sg.declare_resolution(server_args, "cp_shared_kv.flashinfer_autotune_off", disable_flashinfer_autotune=True)
 
 
 def one_request_per_prefill_batch(server_args, previous):
@@ -197,6 +211,12 @@ def configuration_problems(server_args) -> List[str]:
     if cfg.dsa_prefill_backend is not None and cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
         refuse(f"--dsa-prefill-backend {cfg.dsa_prefill_backend}",
                f"its KV reads bypass the pool's page tables; use one of {', '.join(SUPPORTED_DSA_PREFILL_BACKENDS)}.")
+    if cfg.dsa_decode_backend == "trtllm":
+        refuse("--dsa-decode-backend trtllm", "on a prefill server it still shapes the prefill: with fp8 KV SGLang "
+               "then fuses RoPE for trtllm into the attention and skips interleave's gather of the chunk "
+               "(_fuse_rope_for_trtllm_mla), which the shards would store unrotated; this server runs no decode: "
+               "leave --dsa-decode-backend unset here or use one of "
+               f"{', '.join(SUPPORTED_DSA_PREFILL_BACKENDS)}.")
     if cfg.enable_kv_cache_sharding:  # NOTE: refused in resolution already; kept for a record checked again
         problems.append(KV_SHARDING_CONFLICT)
     if cfg.prefill_max_requests not in (None, 1):

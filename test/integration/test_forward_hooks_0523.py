@@ -148,3 +148,21 @@ def test_a_store_at_other_locations_than_the_batchs_is_refused(rig):
     with forward_context(ctx), pytest.raises(RuntimeError, match="other than the batch's out_cache_loc"):
         store_index_k_owned_and_dense(original, "indexer", fb, LAYER, torch.zeros(70, 128),
                                       out_cache_loc=locs.flip(0))
+
+
+def test_a_chunk_with_another_row_count_than_the_batchs_is_refused(rig):
+    """A store handed fewer rows than the batch's out_cache_loc (a rank's own rows, or rows
+    SGLang narrowed for a kernel) would place them at the wrong locations: refused, named,
+    for the index key and for the latent alike."""
+    from sglang.srt.model_executor.forward_context import forward_context
+
+    _, (fb, backend, ctx), _ = _first_chunk(rig, 70, rig.shared)
+    attach_batch_state(None, backend, fb)
+    calls, original = _recording()
+    with forward_context(ctx), pytest.raises(RuntimeError, match="the index key chunk has 35 rows for the batch's 70"):
+        store_index_k_owned_and_dense(original, "indexer", fb, LAYER, torch.zeros(35, 128))
+    k_nope, k_rope = torch.zeros(35, 1, 512).bfloat16(), torch.zeros(35, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="the MLA latent chunk has 35 rows for the batch's 70"):
+        forward_extend_on_dense_view(original, backend, "q", k_nope, "v", SimpleNamespace(layer_id=LAYER), fb,
+                                     save_kv_cache=True, k_rope=k_rope)
+    assert not calls  # SGLang's store and kernels never ran

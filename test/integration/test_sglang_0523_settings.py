@@ -92,6 +92,8 @@ def test_sglangs_own_sharding_beside_the_flag_is_refused_naming_both(hopper, tin
 
 @pytest.mark.parametrize("extra, named", [
     (["--dsa-prefill-backend", "trtllm"], "--dsa-prefill-backend trtllm"),
+    # with fp8 KV it makes the prefill fuse RoPE for trtllm and skip interleave's chunk gather
+    (["--dsa-decode-backend", "trtllm"], "--dsa-decode-backend trtllm"),
     (["--enable-dsa-cache-layer-split"], "--enable-dsa-cache-layer-split"),
     (["--disaggregation-transfer-backend", "nixl"], "--disaggregation-transfer-backend nixl"),
 ])
@@ -160,3 +162,18 @@ def test_a_prefill_batch_holds_one_request_under_the_flag(hopper, tiny_nsa_model
 def test_another_prefill_batch_size_is_refused_naming_the_fix(hopper, tiny_nsa_model):
     message = _problems(_args(tiny_nsa_model, "--prefill-max-requests", "4"))
     assert "--prefill-max-requests 4" in message and "set --prefill-max-requests 1" in message
+
+
+def test_flashinfer_autotune_is_declared_off_under_the_flag(hopper, tiny_nsa_model, capfd):
+    """Its warmup is a decode-shaped dummy forward, which a shared-KV prefill rank refuses
+    (test_forward_hooks_0523.py): off under the flag, as SGLang turns it off for its own
+    KV sharding; stock keeps it."""
+    stock = _args(tiny_nsa_model, flag=None)
+    stock.resolve_once()
+    assert sg.resolved_view(stock).disable_flashinfer_autotune is False
+    capfd.readouterr()
+    ours = _args(tiny_nsa_model)
+    ours.resolve_once()
+    assert sg.resolved_view(ours).disable_flashinfer_autotune is True
+    assert f"{FLAG}: FlashInfer autotune off" in capfd.readouterr().err
+    ours.check_server_args()  # nothing refused: the declaration is the flag's own

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
+from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.forward import materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
@@ -45,11 +46,24 @@ def begin_forward(pool, backend, forward_batch) -> Optional[CpSharedBatchState]:
     return state
 
 
+def require_one_row_per_location(state: CpSharedBatchState, rows: int, what: str) -> None:
+    """A chunk handed to a store must hold one row per row of the batch's ``out_cache_loc``.
+    NOTE: other counts happen only where SGLang hands a store something else than the whole
+    chunk (a rank's own rows, or rows narrowed for a kernel); stored anyway they would land at
+    the wrong locations, so they stop the forward, named."""
+    expected = int(state.out_cache_loc.shape[0])
+    if rows != expected:
+        raise RuntimeError(f"{FLAG}: {what} has {rows} rows for the batch's {expected} out_cache_loc rows; a "
+                           "shared-KV prefill rank stores exactly its batch's chunk (report this with the server "
+                           "arguments: an unsupported path reached the store)")
+
+
 def store_gathered_index_chunk(state: CpSharedBatchState, pool, layer_id: int, key: torch.Tensor,
                                sglang_store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """The layer's dense index view: history from the shards, ``key`` (one row per row of the
     batch's ``out_cache_loc``) stored into it by ``sglang_store(keys, locs)`` or the fused
     kernel, this rank's owned rows copied from it into the shard."""
+    require_one_row_per_location(state, int(key.shape[0]), "the index key chunk")
     materialize.materialize_index(
         state, pool, layer_id,
         lambda dense: writes.store_index_rows_into(sglang_store, pool, layer_id, key, dense, state.dense_out_locs))
@@ -60,6 +74,8 @@ def attend_on_dense_view(state: CpSharedBatchState, pool, layer,
     """``attend()`` (SGLang's ``forward_extend`` with ``save_kv_cache=False``) over the
     layer's complete dense MLA view: ``chunk`` = (k_nope, k_rope) of every chunk row stored
     into it, or with ``chunk`` None the chunk's rows gathered from the shards too."""
+    if chunk is not None:
+        require_one_row_per_location(state, int(chunk[0].shape[0]), "the MLA latent chunk")
     # prefetched during the layer before, or gathered now
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
     try:
