@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Dict, Optional
 
 from sglang_cp_shared_kv.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
@@ -67,6 +67,10 @@ class CpSharedKVContext:
         self.write_paths[(index, mla)] += 1
         if self.metrics_enabled:
             _forwards_counter().labels(cp_rank=str(self.layout.cp_rank), index=index, mla=mla).inc()
+
+    def write_path_counts(self) -> Dict[str, int]:
+        """:attr:`write_paths` labelled as the reports show them, ``"index=<i>,mla=<m>"`` -> forwards."""
+        return {f"index={index},mla={mla}": count for (index, mla), count in self.write_paths.items()}
 
 
 def _forwards_counter():

@@ -56,6 +56,11 @@ def table_version(version: Optional[str]) -> Optional[str]:
     return version if version in SGLANG_VERSIONS_WITH_TABLES else None
 
 
+def installed_table_version() -> Optional[str]:
+    """The release whose tables serve the installed SGLang (None: it has none)."""
+    return table_version(installed_sglang_version())
+
+
 def unsupported_base_problem(version: Optional[str]) -> str:
     """What the flag says on an SGLang it has no table for."""
     supported = " or ".join(f"sglang=={v}" for v in SUPPORTED_SGLANG_VERSIONS)
@@ -144,7 +149,7 @@ SYMBOLS_BY_VERSION: Dict[str, Dict[str, Tuple[str, str | None]]] = {
     SGLANG_VERSION: _SYMBOLS_0512,
     SGLANG_VERSION_0523: _SYMBOLS_0523,
 }
-SYMBOLS = SYMBOLS_BY_VERSION[table_version(installed_sglang_version()) or SGLANG_VERSION]
+SYMBOLS = SYMBOLS_BY_VERSION[installed_table_version() or SGLANG_VERSION]
 
 
 def resolve(name: str):

@@ -12,6 +12,7 @@ import subprocess
 
 import pytest
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
 from sglang_cp_shared_kv.testing.doc_commands import DOCS, ROOT, launch_commands, launch_server_args, shell_commands
 
@@ -36,7 +37,7 @@ def _parse_launch(parser, args):
 
 
 def _launch_commands():
-    return launch_commands("0.5.12.post1")
+    return launch_commands(sg.SGLANG_VERSION)
 
 
 def test_docs_show_launch_commands():

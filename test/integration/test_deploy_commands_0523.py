@@ -17,7 +17,7 @@ from sglang_cp_shared_kv.config import FLAG_DEST  # noqa: E402
 from sglang_cp_shared_kv.testing.doc_commands import launch_commands, launch_server_args  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
-COMMANDS = launch_commands("0.5.23")
+COMMANDS = launch_commands(sg.SGLANG_VERSION_0523)
 FLAG_SPELLINGS = ("--enable-nsa-prefill-cp-shared-kv", "--enable-prefill-cp-shared-kv")
 
 

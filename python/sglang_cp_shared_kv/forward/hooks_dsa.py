@@ -47,7 +47,7 @@ def _shared_pool_in_flight(pool) -> Optional[CpSharedPoolMixin]:
     return pool
 
 
-def _check_chunk_rows(state: CpSharedBatchState, out_cache_loc, what: str) -> None:
+def _check_chunk_locations(state: CpSharedBatchState, out_cache_loc, what: str) -> None:
     """SGLang stores at the batch's ``out_cache_loc`` (None: that one); any other location
     list would be rows the batch state never planned for."""
     if out_cache_loc is None or same_memory(out_cache_loc, state.out_cache_loc):
@@ -76,7 +76,7 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     if pool is None:
         return original(indexer, forward_batch, layer_id, key, act_quant=act_quant, out_cache_loc=out_cache_loc)
     state = pool.batch_state
-    _check_chunk_rows(state, out_cache_loc, "the index store")
+    _check_chunk_locations(state, out_cache_loc, "the index store")
 
     def sglang_store(keys, locs):
         original(indexer, forward_batch, layer_id, keys, act_quant=act_quant, out_cache_loc=locs)
@@ -94,7 +94,7 @@ def fused_index_k_owned_and_dense(original, indexer, key_raw, positions, forward
     if pool is None:
         return original(indexer, key_raw, positions, forward_batch, layer_id, act_quant, out_cache_loc=out_cache_loc)
     state = pool.batch_state
-    _check_chunk_rows(state, out_cache_loc, "the fused index prepare-and-store")
+    _check_chunk_locations(state, out_cache_loc, "the fused index prepare-and-store")
 
     def sglang_prepare_and_store(dense):
         with pool.index_writes_into(layer_id, dense):

@@ -114,13 +114,12 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
     result: Dict[str, Any] = {"rank": rank}
     try:
         with contextlib.ExitStack() as stack:
-            rig = PREFILL_RIGS[sg.table_version(sg.installed_sglang_version())](rank, options, port, workdir, stack)
+            rig = PREFILL_RIGS[sg.installed_table_version()](rank, options, port, workdir, stack)
             result["capacity"] = _capacity(rig)
             events.put(("ready", rank))
             request = _prefill(rig, options, events)
             result["prefill"] = {"errors": rig.errors[:20], "forwards": rig.stats["forwards"],
-                                 "write_paths": {f"index={index},mla={mla}": count
-                                                 for (index, mla), count in rig.shared.context.write_paths.items()},
+                                 "write_paths": rig.shared.context.write_path_counts(),
                                  "allocation": dataclasses.asdict(rig.allocator.stats),
                                  "request_pages": request.pages}
             result["stored"] = _stored(rig, request.pages)

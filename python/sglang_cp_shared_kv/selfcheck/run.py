@@ -87,7 +87,7 @@ def run_selfcheck(options: SelfcheckOptions, *, quiet: bool = False, workdir: Op
         ctx = multiprocessing.get_context("spawn")
     else:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD + [PRELOAD_BACKEND[sg.table_version(sg.installed_sglang_version())]])
+        ctx.set_forkserver_preload(PRELOAD + [PRELOAD_BACKEND[sg.installed_table_version()]])
     events = ctx.Queue()
     port, bootstrap_port = free_port(), free_port()
     procs = [ctx.Process(target=processes.rank_main, args=(r, options, str(workdir), port, bootstrap_port, events),

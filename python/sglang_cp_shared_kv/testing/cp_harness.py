@@ -129,11 +129,16 @@ def _rank_main(rank, n, port, out_dir, jobs, device):
                     _nvtx_ranges_counted(rig, options.get("nvtx")):
                 SCENARIOS[name](rig)
             rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
-            key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
-            result["scenarios"][key] = {"errors": rig.errors[:20], "stats": rig.stats}
+            outcome = {"errors": rig.errors[:20], "stats": rig.stats}
+            result["scenarios"][job_key(name, dtype_name, debug, options)] = outcome
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["fatal"] = traceback.format_exc()[-4000:]
     finish_rank(out_dir, rank, result)
+
+
+def job_key(name: str, dtype_name: str, debug: str, options: dict) -> str:
+    """A job's key in the merged outcome: ``scenario/dtype/debug=...[/option=value...]``."""
+    return f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
 
 
 def finish_rank(out_dir: str, rank: int, result: dict) -> None:

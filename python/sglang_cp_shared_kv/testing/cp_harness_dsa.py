@@ -23,7 +23,7 @@ from typing import Dict, List
 
 import torch
 
-from sglang_cp_shared_kv.testing.cp_harness import _all_gathers_recorded, finish_rank, merge_rank_outcomes
+from sglang_cp_shared_kv.testing.cp_harness import _all_gathers_recorded, finish_rank, job_key, merge_rank_outcomes
 from sglang_cp_shared_kv.testing.cp_scenarios import INTERLEAVE_SCENARIOS
 from sglang_cp_shared_kv.testing.support import all_gather_through_gloo, free_port, run_rank_processes
 
@@ -89,10 +89,9 @@ def _rank_main(rank, n, port, out_dir, jobs, model_dir):
                 with _all_gathers_recorded(rig, group.device_group, rig.shared.context.prefetch_group):
                     INTERLEAVE_SCENARIOS[name](rig)
                 rig.stats["allocation"] = dataclasses.asdict(rig.allocator.stats)
-                rig.stats["write_paths"] = {f"index={i},mla={m}": count
-                                            for (i, m), count in rig.shared.context.write_paths.items()}
-                key = f"{name}/{dtype_name}/debug={debug}" + "".join(f"/{k}={v}" for k, v in sorted(options.items()))
-                result["scenarios"][key] = {"errors": rig.errors[:20], "stats": rig.stats}
+                rig.stats["write_paths"] = rig.shared.context.write_path_counts()
+                outcome = {"errors": rig.errors[:20], "stats": rig.stats}
+                result["scenarios"][job_key(name, dtype_name, debug, options)] = outcome
     except BaseException:  # noqa: BLE001 - reported to the parent
         result["fatal"] = traceback.format_exc()[-4000:]
     finish_rank(out_dir, rank, result)

@@ -14,11 +14,13 @@ import shlex
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from sglang_cp_shared_kv import sglang_api as sg
+
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 #: what a code block of 0.5.23's commands says in a comment
-RELEASE_0523_MARK = "sglang 0.5.23"
+RELEASE_0523_MARK = f"sglang {sg.SGLANG_VERSION_0523}"
 
 
 def shell_commands(text: str, marker: str, release: Optional[str] = None) -> List[List[str]]:
@@ -27,7 +29,7 @@ def shell_commands(text: str, marker: str, release: Optional[str] = None) -> Lis
     ``release``, only those of that release's blocks (module docstring)."""
     out = []
     for block in re.findall(r"```(?:bash|sh)?\n(.*?)```", text, flags=re.S):
-        if release is not None and (RELEASE_0523_MARK in block) != (release == "0.5.23"):
+        if release is not None and (RELEASE_0523_MARK in block) != (release == sg.SGLANG_VERSION_0523):
             continue
         joined = re.sub(r"\\\n\s*", " ", block)
         for line in joined.splitlines():

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang_cp_shared_kv import sglang_api as sg
+
 
 def _ceil_pages(n: torch.Tensor, page_size: int) -> torch.Tensor:
     return (n + page_size - 1) // page_size
@@ -177,16 +179,13 @@ STANDINS_0523 = (
     ("sglang.kernels.ops.kvcache.dsa_index_k_cache", "_set_k_and_s_triton", set_k_and_s_reference),
     ("sglang.kernels.ops.kvcache.dsa_index_k_cache", "_get_k_and_s_triton", get_k_and_s_reference),
 )
+STANDINS_BY_VERSION = {sg.SGLANG_VERSION: STANDINS_0512, sg.SGLANG_VERSION_0523: STANDINS_0523}
 
 
 def install(setattr_fn=setattr):
     """Put every stand-in in place (``setattr_fn``: pytest's ``monkeypatch.setattr`` to undo it)."""
     import importlib
 
-    from sglang_cp_shared_kv import sglang_api as sg
-
-    for module, attribute, standin in STANDINS_BY_VERSION[sg.table_version(sg.installed_sglang_version())]:
+    for module, attribute, standin in STANDINS_BY_VERSION[sg.installed_table_version()]:
         setattr_fn(importlib.import_module(module), attribute, standin)
 
-
-STANDINS_BY_VERSION = {"0.5.12.post1": STANDINS_0512, "0.5.23": STANDINS_0523}

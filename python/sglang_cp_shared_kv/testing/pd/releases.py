@@ -265,8 +265,7 @@ def release():
     """The seam of the installed SGLang."""
     from sglang_cp_shared_kv import sglang_api as sg
 
-    version = sg.table_version(sg.installed_sglang_version())
-    return Release0523() if version == sg.SGLANG_VERSION_0523 else Release0512()
+    return Release0523() if sg.installed_table_version() == sg.SGLANG_VERSION_0523 else Release0512()
 
 
 __all__ = ["Release0512", "Release0523", "release", "write_tiny_dsv32"]
