@@ -13,11 +13,12 @@
 #   scripts/bootstrap.sh test-0.5.23   a second environment, .venv-0.5.23: sglang==0.5.23
 #                                  (torch 2.14.1, Python >= 3.11), this plugin (editable, its
 #                                  0.5.12.post1 pins left out), pytest, hypothesis and the CPU
-#                                  Mooncake engine (as for test; links libibverbs1); the
-#                                  port to 0.5.23 is under way: there the flag is validated in
-#                                  0.5.23's terms and refused (docs/design.md), and pytest
-#                                  runs the tests of test/conftest.py's SGLANG_0523_TESTS.
-#                                  About 11 GB.
+#                                  Mooncake engine (as for test; links libibverbs1); pytest
+#                                  there runs the tests of test/conftest.py's SGLANG_0523_TESTS.
+# Each environment takes about 10-11 GB (torch's CUDA build and its NVIDIA libraries). A new
+# one is refused up front when the disk it goes on, or pip's temporary folder (TMPDIR, /tmp),
+# has less than MIN_FREE_GB (12) free: pip would otherwise stop half-way with "No space left
+# on device". MIN_FREE_GB=0 skips the check.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -48,7 +49,25 @@ if [ -n "$missing" ]; then
   fi
 fi
 
+# NOTE: checked only where the environment is new: re-running over an existing one installs
+# little or nothing
+require_free_space() {
+  local venv=$1 min=${MIN_FREE_GB:-12} dir free_gb
+  [ -x "$venv/bin/python" ] && return 0
+  [ "$min" -gt 0 ] || return 0
+  for dir in "$root" "${TMPDIR:-/tmp}"; do
+    free_gb=$(df -Pk "$dir" | awk 'NR == 2 { print int($4 / 1048576) }')
+    if [ "$free_gb" -lt "$min" ]; then
+      echo "bootstrap: $venv needs about $min GB free on $dir (the environment and pip's unpacking);" \
+        "df says $free_gb GB. Free space there (old environments, CI clones), point TMPDIR at" \
+        "a larger disk, or set MIN_FREE_GB=0 to try anyway" >&2
+      exit 1
+    fi
+  done
+}
+
 if [ "$target" = test-0.5.23 ]; then
+  require_free_space .venv-0.5.23
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || { echo "bootstrap: sglang 0.5.23 needs Python >= 3.11 (PYTHON=python3.11 scripts/bootstrap.sh test-0.5.23)" >&2; exit 1; }
   venv=.venv-0.5.23
@@ -65,6 +84,7 @@ if [ "$target" = test-0.5.23 ]; then
   exit 0
 fi
 
+require_free_space .venv
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 spec="."
