@@ -286,7 +286,7 @@ def prefill_feature_problems(server_args, refuse) -> None:
                "it splits a prefill forward into two micro-batches, each with its own attention "
                "metadata, while shared KV builds one dense view per forward; not supported with "
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
-    if not server_args.disable_flashinfer_autotune and str(server_args.moe_runner_backend).startswith("flashinfer"):
+    if runs_flashinfer_autotune(server_args):
         # NOTE: 0.5.23's resolution declares the autotune off under the flag
         # (server_args_dsa.flashinfer_autotune_off); 0.5.12.post1 has no such step
         refuse(f"--moe-runner-backend {server_args.moe_runner_backend} with FlashInfer autotune",
@@ -301,6 +301,20 @@ def prefill_feature_problems(server_args, refuse) -> None:
         kernels.kernel_package()
     except kernels.KernelPackageMissing as exc:
         refuse("the plugin installation", f"{exc}.")
+
+
+# NOTE: the MoE runners SGLang 0.5.12.post1 autotunes at startup
+# (ModelRunner._should_run_flashinfer_autotune; flashinfer_cutlass and flashinfer_trtllm_routed
+# are left out there, and flashinfer_cutedsl with DeepEP all-to-all bypasses the runner)
+FLASHINFER_AUTOTUNED_MOE_RUNNERS = ("flashinfer_trtllm", "flashinfer_mxfp4", "flashinfer_cutedsl")
+
+
+def runs_flashinfer_autotune(server_args) -> bool:
+    """Whether SGLang 0.5.12.post1 runs FlashInfer's autotune (a decode-shaped dummy forward)
+    on this server's Hopper or newer GPUs."""
+    backend = str(server_args.moe_runner_backend)
+    return (not server_args.disable_flashinfer_autotune and backend in FLASHINFER_AUTOTUNED_MOE_RUNNERS
+            and not (backend == "flashinfer_cutedsl" and str(server_args.moe_a2a_backend) == "deepep"))
 
 
 def decode_configuration_problems(server_args, *, hf_config: Any = None) -> List[str]:

@@ -80,6 +80,28 @@ def test_each_unsupported_setting_is_refused(case, tiny_nsa_model, monkeypatch):
     assert fix in problem, message
 
 
+@pytest.mark.parametrize("backend,a2a,refused", [
+    ("flashinfer_trtllm", "none", True), ("flashinfer_mxfp4", "none", True), ("flashinfer_cutedsl", "none", True),
+    ("flashinfer_cutedsl", "deepep", False), ("flashinfer_cutlass", "none", False),
+    ("flashinfer_trtllm_routed", "none", False), ("auto", "none", False),
+])
+def test_flashinfer_autotune_refused_only_where_sglang_runs_it(backend, a2a, refused, tiny_nsa_model, monkeypatch):
+    # 0.5.12.post1's ModelRunner._should_run_flashinfer_autotune: the same answer as ours on a Hopper
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    server_args = _build(tiny_nsa_model, {}, {"moe_runner_backend": backend, "moe_a2a_backend": a2a}, {}, monkeypatch)
+    problems = configuration_problems(server_args)
+    assert any("FlashInfer autotune" in p for p in problems) == refused, problems
+    runner = SimpleNamespace(server_args=server_args, is_draft_worker=False,
+                             spec_algorithm=SimpleNamespace(is_speculative=lambda: False))
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda *a: (9, 0))
+    assert ModelRunner._should_run_flashinfer_autotune(runner) == refused
+    server_args.disable_flashinfer_autotune = True
+    assert not any("FlashInfer autotune" in p for p in configuration_problems(server_args))
+
+
 def test_non_nsa_model_is_refused(tiny_mla_model, monkeypatch):
     server_args = _build(tiny_mla_model, {}, {}, {}, monkeypatch)
     with pytest.raises(CpSharedKVConfigError, match=r"DeepseekV3ForCausalLM.*not NSA"):
