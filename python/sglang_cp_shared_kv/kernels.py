@@ -136,7 +136,8 @@ class KernelDispatch:
     def build_page_inverse(self, seq_pages: torch.Tensor, dense_page: torch.Tensor, num_logical_pages: int,
                            out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(num_logical_pages,) int32 table: ``dense_page[i]`` at logical page
-        ``seq_pages[i]`` (distinct, never 0), 0 (the dense dummy page) elsewhere."""
+        ``seq_pages[i]`` (never 0; a page listed twice with one dense page), 0 (the dense dummy
+        page) elsewhere."""
         args = (seq_pages, dense_page, num_logical_pages)
         return self._run("build_page_inverse", (seq_pages, dense_page),
                          lambda package: package.build_page_inverse(*args, out=out),

@@ -129,7 +129,6 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_SERVER_ARGS}.add_cli_args", dsa.add_flag_and_alias_to_parser, "after"),
         HookSpec(f"{_SERVER_ARGS}.from_cli_args", dsa.from_cli_args_carrying_flag, "around"),
         HookSpec("apply_prefill_cp_cuda_graph_default", dsa.prefill_cuda_graph_off, RESOLUTION),
-        HookSpec("handle_context_parallelism", dsa.one_request_per_prefill_batch, RESOLUTION),
         HookSpec("handle_kv_cache_sharding", dsa.refuse_kv_sharding_beside_the_flag, RESOLUTION),
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
         HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),

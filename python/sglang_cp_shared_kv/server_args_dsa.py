@@ -4,7 +4,7 @@
 ``--enable-prefill-cp --cp-strategy interleave|zigzag``, and its ``ServerArgs`` is a
 msgspec record: ``__init__`` is msgspec's (a hook on it is applied and never runs; an
 unknown keyword is a ``TypeError``) and its values are resolved by named steps
-(``arg_groups/pipeline.py``) that plugins wrap with ``register_resolution_hook``. Six
+(``arg_groups/pipeline.py``) that plugins wrap with ``register_resolution_hook``. Five
 hooks (``plugin.hooks_for("0.5.23")``):
 
 * ``ServerArgs.add_cli_args`` AFTER: the flag under both names, ``FLAG`` and the DSA-era
@@ -17,8 +17,6 @@ hooks (``plugin.hooks_for("0.5.23")``):
   prefill CUDA graph on for interleave DSA CP; the plugin's per-layer collectives and
   page-table translation run outside a graph, so with the flag the graph is declared
   off, with one WARNING -- a graph the user chose explicitly is refused instead;
-* resolution step ``handle_context_parallelism``: one request per prefill batch
-  (``--prefill-max-requests 1``, declared when unset; another value is refused);
 * resolution step ``handle_kv_cache_sharding``: ``--enable-kv-cache-sharding`` beside the
   flag is refused there, naming both (SGLang's step would refuse most such configurations
   in its own terms, or accept one and shard twice);
@@ -118,21 +116,6 @@ def flashinfer_autotune_off(server_args) -> None:
         sg.declare_resolution(server_args, "cp_shared_kv.flashinfer_autotune_off", disable_flashinfer_autotune=True)
 
 
-def one_request_per_prefill_batch(server_args, previous):
-    """Resolution step ``handle_context_parallelism``, wrapped: interleave CP deals the tokens
-    of a whole prefill batch out round-robin, and the shared-KV batch state (one module for
-    both releases) takes one sequence, as 0.5.12's in-seq split always ran; with the flag an
-    unset ``--prefill-max-requests`` is declared 1, with one INFO line (another value the
-    user chose is refused by validation)."""
-    previous(server_args)
-    if not is_enabled(server_args) or guards_decode(server_args):
-        return
-    if sg.resolving_view(server_args).prefill_max_requests is None:
-        logger.info("%s: --prefill-max-requests 1: a prefill batch holds one request (the shared-KV batch state "
-                    "takes one sequence; interleave CP would otherwise deal several requests' tokens out).", FLAG)
-        sg.declare_resolution(server_args, "cp_shared_kv.one_request_per_prefill_batch", prefill_max_requests=1)
-
-
 def refuse_kv_sharding_beside_the_flag(server_args, previous):
     """Resolution step ``handle_kv_cache_sharding``, wrapped: both asked for, ours says so
     (before SGLang's step refuses the configuration in its own terms, or accepts it)."""
@@ -219,10 +202,6 @@ def configuration_problems(server_args) -> List[str]:
                f"{', '.join(SUPPORTED_DSA_PREFILL_BACKENDS)}.")
     if cfg.enable_kv_cache_sharding:  # NOTE: refused in resolution already; kept for a record checked again
         problems.append(KV_SHARDING_CONFLICT)
-    if cfg.prefill_max_requests not in (None, 1):
-        refuse(f"--prefill-max-requests {cfg.prefill_max_requests}",
-               "the shared-KV batch state takes one request per prefill batch on this release; drop the option "
-               "(the flag sets 1) or set --prefill-max-requests 1.")
     if cfg.enable_dsa_cache_layer_split:
         refuse("--enable-dsa-cache-layer-split", "it splits whole layers across the CP ranks, the plugin splits "
                "pages; remove --enable-dsa-cache-layer-split.")

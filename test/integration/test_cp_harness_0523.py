@@ -22,10 +22,11 @@ from sglang_cp_shared_kv.testing.cp_harness_dsa import run_interleave_cp_group  
 #: each scenario's chunk lengths (cp_scenarios.py): SGLang deals a chunk out only when it has
 #: at least N tokens, else every rank runs all of it
 CHUNKS = {"single_chunk": (437,), "chunked_prefill": (200, 130, 256, 77), "radix_prefix_hit": (500, 300),
-          "prefix_mid_page": (100, 90, 1), "fewer_pages_than_ranks": (70, 5, 10), "full_view_fallback": (300, 150)}
+          "prefix_mid_page": (100, 90, 1), "fewer_pages_than_ranks": (70, 5, 10), "full_view_fallback": (300, 150),
+          "batched_requests": (430, 142, 355, 3)}  # a batch: its requests' tokens together
 DTYPES = ("bf16", "fp8_e4m3")
 PREFETCH_N = (2, 3, 4)
-PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback")
+PREFETCH_SCENARIOS = ("chunked_prefill", "radix_prefix_hit", "full_view_fallback", "batched_requests")
 SOAK_N = (3,)
 
 
@@ -54,6 +55,19 @@ def test_scenario_bit_exact(group, scenario):
         assert stats["forwards"] == len(CHUNKS[scenario]) and stats["topk_rows"] > 0, key
         assert stats["split_forwards"] == sum(chunk >= n for chunk in CHUNKS[scenario]), (key, stats)
         assert stats["write_paths"] == {"index=gathered,mla=gathered": len(CHUNKS[scenario])}, key
+
+
+def test_batches_of_several_requests(group):
+    """A batch's requests share one dense map: a request absent from some ranks' tables (it
+    has no query token there) and a radix prefix listed by three requests of one batch
+    (placed once) stay bit-exact on every rank, every request's rows compared where the rank's
+    tables hold it and every rank's shard compared whole."""
+    n, results = group
+    for key, outcome in assert_clean(results, "batched_requests").items():
+        stats = outcome["stats"]
+        assert stats["requests_without_rows"] > 0, (key, stats)  # some rank held no query of a request
+        assert stats["pages_listed_twice"] >= 2 * 3, (key, stats)  # 3 pages listed thrice, on every rank
+        assert stats["shard_rows_compared"] > 0, key
 
 
 def test_each_chunk_row_is_stored_once_per_layer_then_copied_to_its_owner(group):

@@ -23,6 +23,7 @@ from sglang_cp_shared_kv.forward.hooks_dsa import (  # noqa: E402
 )
 from sglang_cp_shared_kv.forward.materialize import index_rows  # noqa: E402
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE  # noqa: E402
+from sglang_cp_shared_kv.testing.cp_rig import BatchItem  # noqa: E402
 from sglang_cp_shared_kv.testing.torch_standins import act_quant_reference  # noqa: E402
 
 N, RANK = 2, 0
@@ -49,7 +50,7 @@ def _first_chunk(rig, extend_len, pool):
     t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     locs = rig.allocator.alloc_extend(t(0), t(0), t(extend_len), t(extend_len), t(-1), extend_len)
     rig.req_to_token[req.slot, :extend_len] = locs.to(torch.int32)
-    return locs, rig._batch(pool, req, 0, extend_len, locs), req
+    return locs, rig._batch(pool, [BatchItem(req, 0, extend_len)], locs, [0]), req
 
 
 def _recording():
@@ -80,14 +81,13 @@ def test_stock_pool_passes_straight_through(rig):
     assert not rig.shared.context.write_paths
 
 
-@pytest.mark.parametrize("mode, batch_size, refusal", [("DECODE", 1, "only prefill .* runs here"),
-                                                       ("EXTEND", 2, "a prefill batch of 2 requests")])
-def test_what_a_shared_kv_prefill_rank_cannot_run_is_refused(rig, mode, batch_size, refusal):
+def test_a_decode_forward_on_a_shared_kv_prefill_rank_is_refused(rig):
+    # (a prefill batch of several requests runs: test_cp_harness_0523.py's batched_requests)
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     _, (fb, backend, _), _ = _first_chunk(rig, 70, rig.shared)
-    fb.forward_mode, fb.batch_size = getattr(ForwardMode, mode), batch_size
-    with pytest.raises(NotImplementedError, match=refusal):
+    fb.forward_mode = ForwardMode.DECODE
+    with pytest.raises(NotImplementedError, match="only prefill .* runs here"):
         attach_batch_state(None, backend, fb)
 
 
@@ -116,7 +116,7 @@ def test_an_unsplit_batchs_fused_index_store_lands_in_the_dense_view_and_the_own
                                       out_cache_loc=out_cache_loc)
 
     locs, (fb, backend, ctx), req = _first_chunk(rig, 3 * PAGE - 5, rig.shared)
-    fb_r, backend_r, ctx_r = rig._batch(rig.replicated, req, 0, locs.numel(), locs)
+    fb_r, backend_r, ctx_r = rig._batch(rig.replicated, [BatchItem(req, 0, locs.numel())], locs, [0])
     attach_batch_state(None, backend, fb)
     key = torch.randn(locs.numel(), 128).to(torch.bfloat16)
     with forward_context(ctx):

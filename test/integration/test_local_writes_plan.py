@@ -37,8 +37,8 @@ def chunk(cp_utils, n, rank, pages, prefix_len, extend_len, pad, *, split=True, 
     out_cache_loc = torch.cat([locs, torch.zeros(pad, dtype=torch.int64)])  # SGLang pads with location 0
     layout = CpSharedKVLayout(PAGE, n, rank)
     seq_pages = torch.tensor(pages[: -(-(prefix_len + extend_len) // PAGE)])
-    state = build_batch_state(layout, KernelDispatch(), None, seq_pages=seq_pages, prefix_len=prefix_len,
-                              extend_len=extend_len, out_cache_loc=out_cache_loc,
+    state = build_batch_state(layout, KernelDispatch(), None, seq_pages=seq_pages, prefix_lens=[prefix_len],
+                              extend_lens=[extend_len], out_cache_loc=out_cache_loc,
                               num_logical_pages=max(pages) + 1, debug=False, chunk_kv_read_directly=reads_chunk)
     rows = extend_len + pad
     metadata = cp_utils.prepare_context_parallel_metadata(rows, rank, n, [prefix_len + extend_len]) if split else None

@@ -51,8 +51,8 @@ def _problems(server_args):
 
 def test_the_0523_table_is_registered_and_every_hook_is_in_place(plugin_loaded):
     table = plugin.hooks_for(sg.SGLANG_VERSION_0523)
-    # settings layer, pool and capacity, metrics, decode server (11); the forward path (4); the PD transfer (13)
-    assert set(table) <= set(plugin_loaded) and len(table) == 11 + 4 + 13
+    # settings layer, pool and capacity, metrics, decode server (10); the forward path (4); the PD transfer (13)
+    assert set(table) <= set(plugin_loaded) and len(table) == 10 + 4 + 13
     assert missing_hooks(table) == []
     forward = {spec.target.rsplit(".", 2)[-2] + "." + spec.target.rsplit(".", 1)[-1] for spec in table
                if ".dsa" in spec.target}
@@ -144,24 +144,16 @@ def test_a_prefill_cuda_graph_the_user_chose_is_refused(hopper, breakable_by_def
     assert "--cuda-graph-backend-prefill breakable" in message and "--disable-prefill-cuda-graph" in message
 
 
-def test_a_prefill_batch_holds_one_request_under_the_flag(hopper, tiny_nsa_model, capfd):
-    """Interleave CP deals a whole batch's tokens out; the shared-KV batch state takes one
-    sequence: the flag declares --prefill-max-requests 1 where it is unset (stock: no limit)."""
-    stock = _args(tiny_nsa_model, flag=None)
-    stock.resolve_once()
-    assert sg.resolved_view(stock).prefill_max_requests is None
-    ours = _args(tiny_nsa_model)
-    ours.resolve_once()
-    assert sg.resolved_view(ours).prefill_max_requests == 1
-    assert f"{FLAG}: --prefill-max-requests 1: a prefill batch holds one request" in capfd.readouterr().err
-    chosen = _args(tiny_nsa_model, "--prefill-max-requests", "1")
-    chosen.resolve_once()
-    assert sg.resolved_view(chosen).prefill_max_requests == 1
-
-
-def test_another_prefill_batch_size_is_refused_naming_the_fix(hopper, tiny_nsa_model):
-    message = _problems(_args(tiny_nsa_model, "--prefill-max-requests", "4"))
-    assert "--prefill-max-requests 4" in message and "set --prefill-max-requests 1" in message
+def test_prefill_batches_keep_their_stock_size_under_the_flag(hopper, tiny_nsa_model):
+    """Interleave CP deals a batch of several requests out; the shared-KV batch state takes
+    them (forward/several_requests.py, test_cp_harness_0523.py's batched_requests): the flag
+    leaves --prefill-max-requests as the user set it (stock: no limit)."""
+    for extra in ((), ("--prefill-max-requests", "4")):
+        stock, ours = _args(tiny_nsa_model, *extra, flag=None), _args(tiny_nsa_model, *extra)
+        stock.resolve_once()
+        ours.resolve_once()
+        assert sg.resolved_view(ours).prefill_max_requests == sg.resolved_view(stock).prefill_max_requests
+        ours.check_server_args()  # a valid configuration, whatever the batch size
 
 
 def test_flashinfer_autotune_is_declared_off_under_the_flag(hopper, tiny_nsa_model, capfd):

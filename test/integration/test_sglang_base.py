@@ -101,7 +101,6 @@ def test_on_0523_the_table_holds_every_concern():
         ("sglang.srt.server_args.ServerArgs.from_cli_args", "around"),
         ("sglang.srt.server_args.ServerArgs.check_server_args", "after"),
         ("apply_prefill_cp_cuda_graph_default", RESOLUTION),
-        ("handle_context_parallelism", RESOLUTION),
         ("handle_kv_cache_sharding", RESOLUTION),
         (f"{configurator}._resolve_memory_pool_config", "after"),
         (f"{configurator}.configure", "around"),

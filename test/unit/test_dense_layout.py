@@ -9,11 +9,11 @@ from sglang_cp_shared_kv.forward.dense_layout import DENSE_DUMMY_PAGES, build_de
 from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
 
 
-def _simulate_gather(n, seq_pages, history, full_view):
+def _simulate_gather(n, seq_pages, history, full_view, repeats=False):
     """Fill a dense scratch the way the collective does: every rank's pool page q holds
     the logical page id stored there; rank r's send list -- or, when its pages form a run,
     the pages of the run straight from its pool -- goes to block r of a region."""
-    maps = [build_dense_page_map(CpSharedKVLayout(PAGE, n, r), torch.tensor(seq_pages), history)
+    maps = [build_dense_page_map(CpSharedKVLayout(PAGE, n, r), torch.tensor(seq_pages), history, repeats=repeats)
             for r in range(n)]
     ref = maps[0]
     dense = torch.full((ref.num_dense_pages,), -1, dtype=torch.int64)
@@ -49,6 +49,46 @@ def test_gather_fills_every_page_where_the_map_says(n, num_pages, data):
     assert all(lo <= p < hi for p in place[:history].tolist())
     lo, hi = maps[0].current_region
     assert all(lo <= p < hi for p in place[history:].tolist())
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(1, 8), data=st.data())
+def test_a_batch_listing_shared_pages_twice_places_each_page_once(n, data):
+    # several requests: their history pages first (a radix prefix they share listed once per
+    # request), then their current-only pages, fresh per request
+    requests = data.draw(st.integers(2, 4))
+    pool = data.draw(st.lists(st.integers(1, 400), min_size=requests + 1, max_size=60, unique=True))
+    shared = pool[: data.draw(st.integers(0, len(pool) - requests - 1))]
+    rest = pool[len(shared):]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(rest)), min_size=requests - 1, max_size=requests - 1)))
+    own = [rest[a:b] for a, b in zip([0, *cuts], [*cuts, len(rest)])]
+    history = [shared[: data.draw(st.integers(0, len(shared)))] + own[i][: data.draw(st.integers(0, len(own[i])))]
+               for i in range(requests)]
+    current = [[p for p in own[i] if p not in history[i]] for i in range(requests)]
+    listed = [p for h in history for p in h] + [p for c in current for p in c]
+    h = sum(len(x) for x in history)
+    maps, dense = _simulate_gather(n, listed, h, full_view=True, repeats=True)
+    for m in maps:
+        assert torch.equal(m.dense_page, maps[0].dense_page)
+        assert (m.history_pad, m.current_pad) == (maps[0].history_pad, maps[0].current_pad)
+    place = maps[0].dense_page.tolist()
+    first_place = {}
+    for page, where in zip(listed, place):  # a page keeps one dense page, its first listing's
+        assert first_place.setdefault(page, where) == where
+    assert len(set(first_place.values())) == len(first_place)  # distinct pages, distinct dense pages
+    assert dense[maps[0].dense_page].tolist() == listed  # each dense page holds the page the map says
+    distinct = list(dict.fromkeys(listed))
+    # the blocks hold the distinct pages only: as many as without the repeats
+    alone = build_dense_page_map(CpSharedKVLayout(PAGE, n, 0), torch.tensor(distinct),
+                                 len(dict.fromkeys(listed[:h])))
+    assert (maps[0].history_pad, maps[0].current_pad) == (alone.history_pad, alone.current_pad)
+
+
+def test_first_listings():
+    from sglang_cp_shared_kv.forward.dense_layout import first_listings
+
+    assert first_listings(torch.tensor([5, 3, 5, 9, 3, 5])).tolist() == [0, 1, 0, 3, 1, 0]
+    assert first_listings(torch.tensor([], dtype=torch.int64)).tolist() == []
 
 
 def test_a_rank_whose_pages_are_consecutive_in_its_pool_sends_them_without_a_pack():

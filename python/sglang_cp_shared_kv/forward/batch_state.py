@@ -17,6 +17,12 @@ entry, :meth:`KernelDispatch.remap_locs`), so the indexer's fused top-k (which b
 indices from ``page_table_1``), the index reads and the attention kernels all address the
 dense scratch, untouched.
 
+A batch of several requests (0.5.23's interleave; 0.5.12.post1's in-seq split takes one) is
+one page list (:func:`.several_requests.batch_pages`, from the whole batch's request table:
+a rank's own tables keep only the requests it holds query tokens of) and one dense map, a
+radix prefix two requests share placed once; the backend's tables are translated row by
+row (:func:`.several_requests.dense_rows`).
+
 Host synchronisation: one per batch (the page map's read, which carries the owned-row
 count too); none per layer.
 """
@@ -26,13 +32,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.config import FLAG, debug_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.forward import several_requests
 from sglang_cp_shared_kv.forward.dense_layout import DensePageMap, build_dense_page_map
 from sglang_cp_shared_kv.kernels import KernelDispatch
 
@@ -47,8 +54,9 @@ class CpSharedBatchState:
     kernels: KernelDispatch
     group: object  # torch.distributed ProcessGroup of the attention CP ranks
     page_map: DensePageMap
-    prefix_len: int
-    extend_len: int
+    seq_pages: torch.Tensor  # the logical pages the map places, as listed (one request: in sequence order)
+    prefix_lens: Tuple[int, ...]  # per request of the batch, in batch order
+    extend_lens: Tuple[int, ...]
     out_cache_loc: torch.Tensor  # the batch's logical out_cache_loc (identity marks its writes)
     owned_rows: torch.Tensor  # rows of out_cache_loc whose page this rank owns
     owned_physical_locs: torch.Tensor  # their physical locations in this rank's pool
@@ -62,8 +70,31 @@ class CpSharedBatchState:
     chunk_kv_read_directly: bool = False
 
     @property
+    def num_requests(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def prefix_len(self) -> int:
+        """The prefix of the batch's one request (0.5.12.post1's paths, which take one)."""
+        return self._one_request(self.prefix_lens)
+
+    @property
+    def extend_len(self) -> int:
+        return self._one_request(self.extend_lens)
+
+    @property
     def seq_len(self) -> int:
         return self.prefix_len + self.extend_len
+
+    @property
+    def prefix_ends_mid_page(self) -> bool:
+        """Some request's prefix ends inside a page (that page is history and chunk alike)."""
+        return any(prefix % self.layout.page_size for prefix in self.prefix_lens)
+
+    def _one_request(self, values: Tuple[int, ...]) -> int:
+        if len(values) != 1:
+            raise ValueError(f"{FLAG}: a per-request length asked of a batch of {len(values)} requests")
+        return values[0]
 
     @property
     def num_owned_rows(self) -> int:
@@ -111,24 +142,31 @@ def cp_device_group(layout: CpSharedKVLayout):
 
 
 def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, *, seq_pages: torch.Tensor,
-                      prefix_len: int, extend_len: int, out_cache_loc: torch.Tensor, num_logical_pages: int,
-                      debug: bool, timer=None, chunk_kv_read_directly: bool = False) -> CpSharedBatchState:
-    """State of one sequence of ``prefix_len + extend_len`` tokens on logical ``seq_pages``
-    (pages numbered below ``num_logical_pages``)."""
+                      prefix_lens: Sequence[int], extend_lens: Sequence[int], out_cache_loc: torch.Tensor,
+                      num_logical_pages: int, debug: bool, timer=None, history_pages: Optional[int] = None,
+                      chunk_kv_read_directly: bool = False) -> CpSharedBatchState:
+    """State of a batch of requests of ``prefix_lens[i] + extend_lens[i]`` tokens on logical
+    ``seq_pages`` (pages numbered below ``num_logical_pages``): one request's pages in
+    sequence order, or several requests' as :func:`.several_requests.batch_pages` lists them,
+    their ``history_pages`` first."""
     page_size = layout.page_size
-    history_pages = -(-prefix_len // page_size)
+    prefix_lens, extend_lens = tuple(int(x) for x in prefix_lens), tuple(int(x) for x in extend_lens)
+    several = len(prefix_lens) > 1
+    if history_pages is None:
+        (prefix_len,) = prefix_lens
+        history_pages = -(-prefix_len // page_size)
     owned = layout.owned_by_this_rank(out_cache_loc, validate=False)
     # NOTE: the owned-row count rides in the page map's host read, the forward's only
     # synchronisation; nonzero_static then needs none (nonzero would read its size)
-    page_map = build_dense_page_map(layout, seq_pages, history_pages, read_also=(owned.sum(),))
+    page_map = build_dense_page_map(layout, seq_pages, history_pages, read_also=(owned.sum(),), repeats=several)
     owned_rows, owned_physical_locs = _with_physical_locs(
         layout, out_cache_loc, torch.nonzero_static(owned, size=page_map.read_also[0]).squeeze(1))
     page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
     # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.
     dense_out_locs = kernels.remap_locs(out_cache_loc, page_inverse, page_size)
     return CpSharedBatchState(
-        layout=layout, kernels=kernels, group=group, page_map=page_map, prefix_len=prefix_len,
-        extend_len=extend_len, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
+        layout=layout, kernels=kernels, group=group, page_map=page_map, seq_pages=seq_pages, prefix_lens=prefix_lens,
+        extend_lens=extend_lens, out_cache_loc=out_cache_loc, owned_rows=owned_rows,
         owned_physical_locs=owned_physical_locs, page_inverse=page_inverse, dense_out_locs=dense_out_locs,
         owned_dense_locs=dense_out_locs.index_select(0, owned_rows), debug=debug, timer=timer,
         chunk_kv_read_directly=chunk_kv_read_directly,
@@ -138,6 +176,8 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
 def dense_metadata(metadata, state: CpSharedBatchState):
     """``metadata`` (SGLang's frozen ``NSAMetadata``) with its page tables translated to
     the dense scratch. Entries past the sequence (never read) are set to the dummy page."""
+    if state.num_requests > 1:
+        return several_requests.dense_rows(metadata, state)
     page_size, remap = state.layout.page_size, state.kernels.remap_locs
     dense_table = remap(metadata.page_table_1, state.page_inverse, page_size)
     dense_table[:, state.seq_len:] = 0
@@ -150,18 +190,22 @@ def dense_metadata(metadata, state: CpSharedBatchState):
     return dataclasses.replace(metadata, **replaced)
 
 
-def attends_over_gathered_chunk(backend, forward_batch, prefix_len: int) -> bool:
+def attends_over_gathered_chunk(backend, forward_batch) -> bool:
     """Whether ``backend``'s ``forward_extend`` attends over the chunk's gathered KV rows
     (its ``k`` / ``k_rope`` arguments) instead of the cache: fp8 KV, ``flashmla_sparse``'s
-    RAGGED top-k transform, no prefix (SGLang 0.5.12.post1, ``nsa_backend.forward_extend``)."""
+    RAGGED top-k transform, no request with a prefix (SGLang 0.5.12.post1,
+    ``nsa_backend.forward_extend``; 0.5.23's ``has_prefix_sharing``)."""
     method = getattr(backend, "get_topk_transform_method", None)
-    return method is not None and prefix_len == 0 and method(forward_batch.forward_mode).name == "RAGGED"
+    return (method is not None and not any(forward_batch.extend_prefix_lens_cpu)
+            and method(forward_batch.forward_mode).name == "RAGGED")
 
 
-def build_for_forward(pool, metadata, forward_batch, backend=None) -> Optional[CpSharedBatchState]:
+def build_for_forward(pool, metadata, forward_batch, backend=None, *,
+                      one_request: bool = False) -> Optional[CpSharedBatchState]:
     """The state of ``forward_batch`` on the shared-KV ``pool`` (``metadata``: the NSA
     backend's; ``backend``: that backend), or None for an idle batch; refuses what a
-    shared-KV prefill rank cannot run."""
+    shared-KV prefill rank cannot run (``one_request``: a batch of several requests, which
+    0.5.12.post1's in-seq split never forms)."""
     mode = forward_batch.forward_mode
     if mode.is_idle():
         return None
@@ -170,20 +214,24 @@ def build_for_forward(pool, metadata, forward_batch, backend=None) -> Optional[C
             f"{FLAG}: forward mode {mode.name} on a shared-KV prefill rank; only prefill "
             "(extend) runs here, decode runs on the decode server (a non-PD test server needs "
             "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
-    if forward_batch.batch_size != 1:
+    if one_request and forward_batch.batch_size != 1:
         raise NotImplementedError(
-            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; a shared-KV prefill rank "
-            "runs one request per batch (0.5.12.post1's in-seq split takes one; on 0.5.23 the flag sets "
-            "--prefill-max-requests 1)")
-    prefix_len = int(forward_batch.extend_prefix_lens_cpu[0])
-    extend_len = int(forward_batch.extend_seq_lens_cpu[0])
-    num_pages = -(-(prefix_len + extend_len) // pool.page_size)
+            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; on sglang 0.5.12.post1 a shared-KV "
+            "prefill rank runs one request per batch, as its in-seq split does")
+    prefix_lens = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
+    extend_lens = [int(x) for x in forward_batch.extend_seq_lens_cpu]
     layout = pool.cp_layout
+    if forward_batch.batch_size == 1:
+        num_pages = -(-(prefix_lens[0] + extend_lens[0]) // pool.page_size)
+        seq_pages, history_pages = metadata.real_page_table[0, :num_pages], None
+    else:
+        seq_pages, history_pages = several_requests.batch_pages(backend, forward_batch, prefix_lens, extend_lens,
+                                                                pool.page_size)
     return build_batch_state(
-        layout, pool.context.kernels, cp_device_group(layout), seq_pages=metadata.real_page_table[0, :num_pages],
-        prefix_len=prefix_len, extend_len=extend_len, out_cache_loc=forward_batch.out_cache_loc,
+        layout, pool.context.kernels, cp_device_group(layout), seq_pages=seq_pages, history_pages=history_pages,
+        prefix_lens=prefix_lens, extend_lens=extend_lens, out_cache_loc=forward_batch.out_cache_loc,
         num_logical_pages=pool.size // pool.page_size + 1, debug=debug_enabled(), timer=pool.context.stage_timer,
-        chunk_kv_read_directly=attends_over_gathered_chunk(backend, forward_batch, prefix_len),
+        chunk_kv_read_directly=attends_over_gathered_chunk(backend, forward_batch),
     )
 
 
@@ -191,6 +239,10 @@ def build_for_forward(pool, metadata, forward_batch, backend=None) -> Optional[C
 def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
     """Debug-mode invariants of the batch state, SGLang's ``metadata`` and its ``dense``
     translation (synchronise the device)."""
+    if state.num_requests > 1:
+        several_requests.check_rows(state, metadata, dense, pool)
+        check_plan_agrees(state, int(state.seq_pages.sum()))
+        return
     layout, page_map, seq_len = state.layout, state.page_map, state.seq_len
     page_size = layout.page_size
     page_table_1 = metadata.page_table_1
@@ -218,17 +270,21 @@ def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
         raise AssertionError(f"{FLAG}: a row selected for this rank is owned by another rank")
     if state.num_owned_rows and int(state.owned_physical_locs.max()) >= pool.physical_size + page_size:
         raise AssertionError(f"{FLAG}: an owned row maps outside the physical pool")
-    # Every CP rank must size the collectives identically.
-    mine = torch.tensor([page_map.num_pages, page_map.history_pages, page_map.history_pad,
-                         page_map.current_pad, int(pages.sum())], dtype=torch.int64,
-                        device=page_table_1.device)
-    everyone = torch.empty(layout.cp_size * mine.numel(), dtype=mine.dtype, device=mine.device)
-    torch.distributed.all_gather_into_tensor(everyone, mine, group=state.group)
-    if not bool((everyone.view(layout.cp_size, -1) == mine).all()):
-        raise AssertionError(
-            f"{FLAG}: CP ranks disagree on the materialize plan (pages, history, M_h, M_c, page sum): "
-            f"{everyone.view(layout.cp_size, -1).tolist()}")
+    check_plan_agrees(state, int(pages.sum()))
     logger.debug(
         "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
         state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
         page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
+
+
+def check_plan_agrees(state: CpSharedBatchState, page_sum: int) -> None:
+    """Every CP rank must size the collectives identically (one all-gather, debug mode)."""
+    page_map, n = state.page_map, state.layout.cp_size
+    mine = torch.tensor([page_map.num_pages, page_map.history_pages, page_map.history_pad, page_map.current_pad,
+                         page_sum], dtype=torch.int64, device=state.out_cache_loc.device)
+    everyone = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
+    torch.distributed.all_gather_into_tensor(everyone, mine, group=state.group)
+    if not bool((everyone.view(n, -1) == mine).all()):
+        raise AssertionError(
+            f"{FLAG}: CP ranks disagree on the materialize plan (pages, history, M_h, M_c, page sum): "
+            f"{everyone.view(n, -1).tolist()}")

@@ -25,12 +25,17 @@ in the pool, which nothing reads).
 The current region is filled locally from the current chunk's KV, which every rank
 already has after SGLang's in-seq CP all-gather (phase 3); when that KV is not at hand
 the current region is gathered the same way (the phase-2 full view).
+
+A batch of several requests (0.5.23) is placed as one page list: every request's history
+pages, then every request's current-only pages. A radix prefix two requests share lists its
+pages twice; with ``repeats`` each page takes one dense page, its first listing's, and the
+later listings only read it (``first_listings``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -86,18 +91,23 @@ class DensePageMap:
         return torch.where(valid, locs, 0)
 
 
-def _place_region(owners: torch.Tensor, physical: torch.Tensor, rank: int, cp_size: int,
-                  block_pad: int, base: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Dense pages of a region's pages, and this rank's send list (padded with page 0)."""
+def _place_region(owners: torch.Tensor, physical: torch.Tensor, rank: int, cp_size: int, block_pad: int,
+                  base: int, placed: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Dense pages of a region's pages, and this rank's send list (padded with page 0).
+    ``placed``: which entries take a dense page of their own (default all); the others' dense
+    pages are meaningless here (the caller reads their first listing's)."""
     if owners.numel() == 0:
         empty = torch.zeros(0, dtype=torch.int64, device=owners.device)
         return empty, torch.zeros(block_pad, dtype=torch.int64, device=owners.device)
     one_hot = torch.nn.functional.one_hot(owners, cp_size)
+    if placed is not None:
+        one_hot = one_hot * placed[:, None]
     index_in_block = (one_hot.cumsum(0) * one_hot).sum(1) - 1
     dense = base + owners * block_pad + index_in_block
     # Scatter this rank's physical pages to their block slot; other ranks' pages land in
     # the spare last slot, which is dropped. Page 0 (the sender's dummy) pads the tail.
-    slots = torch.where(owners == rank, index_in_block, block_pad)
+    sends = owners == rank if placed is None else (owners == rank) & placed
+    slots = torch.where(sends, index_in_block, block_pad)
     send = torch.zeros(block_pad + 1, dtype=torch.int64, device=owners.device)
     send.scatter_(0, slots, physical)
     return dense, send[:block_pad]
@@ -117,17 +127,38 @@ def _run_of(owned: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
     return torch.stack([first, is_run.to(first.dtype)])
 
 
-def owner_counts(owners: torch.Tensor, cp_size: int) -> torch.Tensor:
-    """Pages per owner rank, without a host synchronisation (NOTE: ``torch.bincount`` on
-    CUDA reads its input's maximum on the host to size its output, even with ``minlength``)."""
+def owner_counts(owners: torch.Tensor, cp_size: int, placed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Pages per owner rank (``placed``: only those entries), without a host synchronisation
+    (NOTE: ``torch.bincount`` on CUDA reads its input's maximum on the host to size its
+    output, even with ``minlength``)."""
     counts = torch.zeros(cp_size, dtype=torch.int64, device=owners.device)
-    return counts.scatter_add_(0, owners, torch.ones_like(owners))
+    ones = torch.ones_like(owners) if placed is None else placed.to(owners.dtype)
+    return counts.scatter_add_(0, owners, ones)
+
+
+def first_listings(pages: torch.Tensor) -> torch.Tensor:
+    """For each entry of ``pages``, the index of the first entry listing the same page
+    (an entry that is its page's first listing answers its own index); on the device, no
+    host synchronisation. NOTE: a stable sort keeps equal pages in listing order, so each
+    run of equal pages starts at its first listing."""
+    count = pages.numel()
+    order = torch.sort(pages, stable=True).indices
+    ordered = pages[order]
+    starts = torch.ones(count, dtype=torch.bool, device=pages.device)
+    starts[1:] = ordered[1:] != ordered[:-1]
+    positions = torch.arange(count, device=pages.device)
+    run_start = torch.cummax(torch.where(starts, positions, 0), dim=0).values if count else positions
+    first = torch.empty_like(order)
+    first[order] = order[run_start]
+    return first
 
 
 def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, history_pages: int, *,
-                         read_also: Sequence[torch.Tensor] = ()) -> DensePageMap:
+                         read_also: Sequence[torch.Tensor] = (), repeats: bool = False) -> DensePageMap:
     """Place the ``P`` logical pages of one sequence (``seq_pages``, in sequence order;
-    the first ``history_pages`` are history) in the dense scratch.
+    the first ``history_pages`` are history) in the dense scratch. ``repeats``: the list may
+    name a page more than once (a batch of requests sharing a radix prefix); each page is
+    then placed once, where it is first listed.
 
     One host synchronisation -- the forward's only one -- reads the two block sizes, which
     size the collectives, whether this rank's pages of each region form a run in its pool,
@@ -142,8 +173,12 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     owners = layout.owner_for_logical_pages(seq_pages, validate=False)
     physical = layout.logical_pages_to_physical(seq_pages, validate=False)
     n = layout.cp_size
-    counts = torch.stack([owner_counts(owners[:history_pages], n), owner_counts(owners[history_pages:], n)])
-    mine = owners == layout.cp_rank
+    first = first_listings(seq_pages) if repeats else None
+    placed = None if first is None else first == torch.arange(num_pages, device=seq_pages.device)
+    hist_placed, cur_placed = (None, None) if placed is None else (placed[:history_pages], placed[history_pages:])
+    counts = torch.stack([owner_counts(owners[:history_pages], n, hist_placed),
+                          owner_counts(owners[history_pages:], n, cur_placed)])
+    mine = owners == layout.cp_rank if placed is None else (owners == layout.cp_rank) & placed
     runs = torch.cat([_run_of(mine[:history_pages], physical[:history_pages]),
                       _run_of(mine[history_pages:], physical[history_pages:])])
     extra = [t.reshape(1).to(torch.int64) for t in read_also]
@@ -154,17 +189,18 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
     history_run = int(host[2]) if host[3] else _NO_RUN
     current_run = int(host[4]) if host[5] else _NO_RUN
     hist_dense, hist_send = _place_region(owners[:history_pages], physical[:history_pages],
-                                          layout.cp_rank, n, history_pad, DENSE_DUMMY_PAGES)
+                                          layout.cp_rank, n, history_pad, DENSE_DUMMY_PAGES, hist_placed)
     cur_dense, cur_send = _place_region(owners[history_pages:], physical[history_pages:],
                                         layout.cp_rank, n, current_pad,
-                                        DENSE_DUMMY_PAGES + n * history_pad)
+                                        DENSE_DUMMY_PAGES + n * history_pad, cur_placed)
+    dense_page = torch.cat([hist_dense, cur_dense])
     return DensePageMap(
         layout=layout,
         num_pages=num_pages,
         history_pages=history_pages,
         history_pad=history_pad,
         current_pad=current_pad,
-        dense_page=torch.cat([hist_dense, cur_dense]),
+        dense_page=dense_page if first is None else dense_page[first],
         history_send=hist_send,
         current_send=cur_send,
         current_owners=current_owners,

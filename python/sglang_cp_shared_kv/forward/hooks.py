@@ -39,7 +39,7 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     the backend's page tables at the dense scratch, hand the state to the pool."""
     pool = forward_batch.token_to_kv_pool
     if isinstance(pool, CpSharedPoolMixin):
-        steps.begin_forward(pool, backend, forward_batch)
+        steps.begin_forward(pool, backend, forward_batch, one_request=True)
     return result
 
 

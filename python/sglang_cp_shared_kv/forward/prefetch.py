@@ -74,7 +74,7 @@ def history_of(state: CpSharedBatchState, pool, layer_id: int, *, full_view: boo
     """Layer ``layer_id``'s MLA history: the prefetched one, else gathered now. ``full_view``:
     the layer reads its chunk rows from the shards (``save_kv_cache=False``)."""
     prefetched = pool.take_prefetched(layer_id)
-    if prefetched is not None and full_view and state.prefix_len % state.layout.page_size:
+    if prefetched is not None and full_view and state.prefix_ends_mid_page:
         prefetched.wait()  # complete it on every rank, then drop it: its shared page predates the chunk rows
         prefetched = None
     return prefetched if prefetched is not None else gather_mla_history(state, pool, layer_id, state.group)

@@ -26,16 +26,17 @@ from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked
 
 
-def begin_forward(pool, backend, forward_batch) -> Optional[CpSharedBatchState]:
+def begin_forward(pool, backend, forward_batch, *, one_request: bool = False) -> Optional[CpSharedBatchState]:
     """The batch state of ``forward_batch`` on ``pool`` (None: an idle batch), handed to the
-    pool, with ``backend.forward_metadata`` translated to the dense scratch."""
+    pool, with ``backend.forward_metadata`` translated to the dense scratch (``one_request``:
+    the release's CP split takes one request per batch, a batch of more is refused)."""
     pool.end_batch()
     metadata = backend.forward_metadata
     timer = pool.context.stage_timer
     if timer is not None:
         timer.begin_forward(forward_batch.out_cache_loc.device)
     with marked("batch_state", timer):
-        state = batch_state_module.build_for_forward(pool, metadata, forward_batch, backend)
+        state = batch_state_module.build_for_forward(pool, metadata, forward_batch, backend, one_request=one_request)
     if state is None:
         return None
     dense = batch_state_module.dense_metadata(metadata, state)

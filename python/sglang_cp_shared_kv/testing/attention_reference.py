@@ -38,10 +38,11 @@ def stock_forward_extend_inputs(backend, q, k, v, layer, forward_batch, save_kv_
     rows = as_bytes(kv_rows[topk_indices.clamp(min=0).long()])  # (queries, TOPK, row bytes)
     rows[topk_indices < 0] = 0  # -1 padding selects nothing
     metadata = backend.forward_metadata
-    seq_len = int(forward_batch.seq_lens_cpu[0])
+    row_lens = metadata.cache_seqlens_int32.tolist()  # the requests the tables hold, row by row
+    reachable = torch.cat([metadata.page_table_1[row, :length] for row, length in enumerate(row_lens)])
     out = {
         # every row a kernel could reach through the page table
-        "sequence rows": as_bytes(kv_rows[metadata.page_table_1[0, :seq_len].long()]),
+        "sequence rows": as_bytes(kv_rows[reachable.long()]),
         "topk rows": rows,
         "attention output": reference_sparse_attention(q, rows, topk_indices, fp8),
     }
@@ -51,7 +52,7 @@ def stock_forward_extend_inputs(backend, q, k, v, layer, forward_batch, save_kv_
     ragged = getattr(backend, "get_topk_transform_method", lambda mode=None: None)(forward_batch.forward_mode)
     if getattr(ragged, "name", None) == "RAGGED" and not any(forward_batch.extend_prefix_lens_cpu):
         # fp8 RAGGED without a prefix attends over the chunk's (gathered) bf16 rows themselves
-        chunk = forward_batch.extend_seq_lens_cpu[0]
+        chunk = sum(forward_batch.extend_seq_lens_cpu)
         out["chunk rows attended"] = as_bytes(torch.cat([k[:chunk].reshape(chunk, -1),
                                                          k_rope[:chunk].reshape(chunk, -1)], dim=-1))
     return out
@@ -92,7 +93,8 @@ def reference_topk(q, weights, k_index, query_positions):
     return positions
 
 
-def transform_topk(positions, page_table_1):
-    """What the fused top-k transform does: sequence positions -> page_table_1 entries, -1 kept."""
-    table = page_table_1[0].long()
+def transform_topk(positions, page_table_1, row: int = 0):
+    """What the fused top-k transform does: sequence positions -> entries of ``page_table_1``'s
+    row ``row`` (the query's request), -1 kept."""
+    table = page_table_1[row].long()
     return torch.where(positions >= 0, table[positions.clamp(min=0)], -1).to(torch.int32)

@@ -82,13 +82,23 @@ def run_cp_group(n: int, jobs: List[tuple], *, device: str = "cpu",
     return merge_rank_outcomes(per_rank)
 
 
+#: stats that differ by rank and are summed over the ranks (a request absent from a rank's
+#: attention tables is absent from some ranks only)
+SUMMED_OVER_RANKS = ("requests_without_rows",)
+
+
 def merge_rank_outcomes(per_rank: List[dict]) -> Dict[str, dict]:
-    """Each job's outcome over all ranks: every rank's errors (named), rank 0's stats, each
-    rank's all-gather counts, and an error where a rank's allocator decided differently."""
+    """Each job's outcome over all ranks: every rank's errors (named), rank 0's stats (those of
+    ``SUMMED_OVER_RANKS`` summed over the ranks), each rank's all-gather counts, and an error
+    where a rank's allocator decided differently."""
     merged: Dict[str, dict] = {}
     for r, result in enumerate(per_rank):
         for key, outcome in result["scenarios"].items():
-            entry = merged.setdefault(key, {"errors": [], "stats": outcome["stats"]})
+            entry = merged.setdefault(key, {"errors": [], "stats": dict(outcome["stats"])})
+            if r:
+                for name in SUMMED_OVER_RANKS:
+                    if name in outcome["stats"]:
+                        entry["stats"][name] += outcome["stats"][name]
             entry["errors"] += [f"rank {r}: {e}" for e in outcome["errors"]]
             if "all_gathers" in outcome["stats"]:  # each rank's own, not only rank 0's
                 entry["stats"].setdefault("all_gathers_per_rank", []).append(outcome["stats"]["all_gathers"])

@@ -21,8 +21,9 @@ import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import List
+from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from sglang_cp_shared_kv.config import DEBUG_ENV
@@ -66,7 +67,8 @@ def _cuda_streams_on(device: str):
 @dataclass
 class RigForward:
     """One forward of the rig: the shared pool's batch and backend, the replicated pool's,
-    the batch's ``out_cache_loc`` (chunk rows, then SGLang's padding rows, if any) and what a
+    the batch's ``out_cache_loc`` (chunk rows, then SGLang's padding rows, if any), the
+    requests this rank's attention tables hold, by row (indices into the batch), and what a
     release's rig keeps besides (``extra``)."""
 
     fb_s: object
@@ -74,6 +76,7 @@ class RigForward:
     fb_r: object
     be_r: object
     out_cache_loc: torch.Tensor
+    rows: List[int] = field(default_factory=lambda: [0])
     extra: dict = field(default_factory=dict)
 
 
@@ -82,6 +85,19 @@ class Request:
     slot: int
     seq_len: int = 0
     pages: List[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One request's part of a forward: ``extend_len`` tokens after ``prefix``."""
+
+    req: Request
+    prefix: int
+    extend_len: int
+
+    @property
+    def seq_len(self) -> int:
+        return self.prefix + self.extend_len
 
 
 class Rig:
@@ -160,51 +176,70 @@ class Rig:
 
     def extend(self, req: Request, extend_len: int, *, full_view_layers=(), pad_rows: int = 0) -> bool:
         """One prefill forward of ``extend_len`` tokens of ``req``; False if out of memory."""
-        t = lambda v: torch.tensor([v], dtype=torch.int64, device=self.device)  # noqa: E731
-        host = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731 (SGLang's *_cpu arguments)
-        prefix = req.seq_len
-        last = int(self.req_to_token[req.slot, prefix - 1]) if prefix else -1
-        locs = self.allocator.alloc_extend(t(prefix), host(prefix), t(prefix + extend_len),
-                                           host(prefix + extend_len), t(last), extend_len)
+        return self.extend_batch([(req, extend_len)], full_view_layers=full_view_layers, pad_rows=pad_rows)
+
+    def extend_batch(self, items: Sequence[Tuple[Request, int]], *, full_view_layers=(), pad_rows: int = 0) -> bool:
+        """One prefill forward of a batch: ``extend_len`` tokens of each ``(req, extend_len)``,
+        allocated together as SGLang does; False if out of memory."""
+        t = lambda v: torch.tensor(v, dtype=torch.int64, device=self.device)  # noqa: E731
+        host = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731 (SGLang's *_cpu arguments)
+        prefixes = [req.seq_len for req, _ in items]
+        seq_lens = [prefix + extend_len for prefix, (_, extend_len) in zip(prefixes, items)]
+        last = [int(self.req_to_token[req.slot, prefix - 1]) if prefix else -1
+                for prefix, (req, _) in zip(prefixes, items)]
+        locs = self.allocator.alloc_extend(t(prefixes), host(prefixes), t(seq_lens), host(seq_lens), t(last),
+                                           sum(extend_len for _, extend_len in items))
         if locs is None:
             return False
-        self.req_to_token[req.slot, prefix: prefix + extend_len] = locs.to(torch.int32)
-        req.seq_len += extend_len
-        req.pages = [int(x) for x in (self.req_to_token[req.slot, : req.seq_len: PAGE] // PAGE).tolist()]
-        self.run_forward(req, prefix, extend_len, locs, full_view_layers, pad_rows)
+        batch, start = [], 0
+        for prefix, (req, extend_len) in zip(prefixes, items):
+            self.req_to_token[req.slot, prefix: prefix + extend_len] = locs[start: start + extend_len].to(torch.int32)
+            start += extend_len
+            req.seq_len += extend_len
+            req.pages = [int(x) for x in (self.req_to_token[req.slot, : req.seq_len: PAGE] // PAGE).tolist()]
+            batch.append(BatchItem(req, prefix, extend_len))
+        self.run_forward(batch, locs, full_view_layers, pad_rows)
         return True
 
     # ------------------------------------------------------------ forward
-    def _one_request_fields(self, req, prefix: int, extend_len: int, out_cache_loc, sparse: str):
-        """(attention metadata fields, ``ForwardBatch`` fields) of one request's extend, as the
-        sparse-attention backend's ``init_forward_metadata`` builds them; ``sparse``: the
-        release's prefix of the sparse fields ("nsa" on 0.5.12.post1, "dsa" on 0.5.23)."""
+    def _batch_fields(self, batch: Sequence[BatchItem], out_cache_loc, sparse: str, rows: Sequence[int]):
+        """(attention metadata fields, ``ForwardBatch`` fields) of a batch's extend, as the
+        sparse-attention backend's ``init_forward_metadata`` builds them, its tables holding
+        the requests ``rows`` (indices into ``batch``); ``sparse``: the release's prefix of the
+        sparse fields ("nsa" on 0.5.12.post1, "dsa" on 0.5.23)."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        seq_len = prefix + extend_len
         dev = self.device
-        page_table = self.req_to_token[req.slot: req.slot + 1, :seq_len]
-        seqlens = torch.tensor([seq_len], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, seq_len], dtype=torch.int32, device=dev)
-        cu_q = torch.tensor([0, extend_len], dtype=torch.int32, device=dev)
-        expanded = torch.arange(prefix + 1, seq_len + 1, dtype=torch.int32, device=dev)
-        ragged = self.fp8 and prefix > 0  # fp8 + flashmla_sparse reads page_table_1_flattened
+        held = [batch[i] for i in rows]
+        seq_lens, extend_lens = [it.seq_len for it in held], [it.extend_len for it in held]
+        page_table = self.req_to_token[torch.tensor([it.req.slot for it in held], device=dev), : max(seq_lens)]
+        seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *np.cumsum(seq_lens)], dtype=torch.int32, device=dev)
+        cu_q = torch.tensor([0, *np.cumsum(extend_lens)], dtype=torch.int32, device=dev)
+        expanded = torch.cat([torch.arange(it.prefix + 1, it.seq_len + 1, dtype=torch.int32, device=dev)
+                              for it in held])
+        # fp8 + flashmla_sparse reads page_table_1_flattened when a request of the batch has a prefix
+        ragged = self.fp8 and any(it.prefix for it in batch)
+        flattened = torch.cat([page_table[r, :n] for r, n in enumerate(seq_lens)]) if ragged else None
         metadata = {
-            "page_size": PAGE, "cache_seqlens_int32": seqlens, "max_seq_len_q": extend_len, "max_seq_len_k": seq_len,
-            "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "page_table_1": page_table,
+            "page_size": PAGE, "cache_seqlens_int32": seqlens, "max_seq_len_q": max(extend_lens),
+            "max_seq_len_k": max(seq_lens), "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "page_table_1": page_table,
             "real_page_table": page_table[:, ::PAGE] // PAGE, f"{sparse}_cache_seqlens_int32": expanded.clamp(max=TOPK),
             f"{sparse}_cu_seqlens_q": cu_q, f"{sparse}_cu_seqlens_k": cu_k,
-            f"{sparse}_extend_seq_lens_list": [extend_len], f"{sparse}_seqlens_expanded": expanded,
-            "seq_lens_sum": seq_len, "page_table_1_flattened": page_table[0, :seq_len] if ragged else None,
+            f"{sparse}_extend_seq_lens_list": extend_lens, f"{sparse}_seqlens_expanded": expanded,
+            "seq_lens_sum": sum(seq_lens), "page_table_1_flattened": flattened,
         }
-        batch = dict(
-            forward_mode=ForwardMode.EXTEND, batch_size=1,
+        all_seq_lens = [it.seq_len for it in batch]
+        fields = dict(
+            forward_mode=ForwardMode.EXTEND, batch_size=len(batch),
             input_ids=torch.zeros(out_cache_loc.numel(), dtype=torch.int64, device=dev),
-            req_pool_indices=torch.tensor([req.slot], device=dev), seq_lens=seqlens.long(),
-            out_cache_loc=out_cache_loc, seq_lens_sum=seq_len, seq_lens_cpu=torch.tensor([seq_len]),
-            extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[extend_len], extend_num_tokens=extend_len,
+            req_pool_indices=torch.tensor([it.req.slot for it in batch], device=dev),
+            seq_lens=torch.tensor(all_seq_lens, dtype=torch.int64, device=dev), out_cache_loc=out_cache_loc,
+            seq_lens_sum=sum(all_seq_lens), seq_lens_cpu=torch.tensor(all_seq_lens),
+            extend_prefix_lens_cpu=[it.prefix for it in batch], extend_seq_lens_cpu=[it.extend_len for it in batch],
+            extend_num_tokens=sum(it.extend_len for it in batch),
         )
-        return metadata, batch
+        return metadata, fields
 
     def _phase(self, layer_id, *, forward_start: bool = False) -> None:
         if self.host_syncs is not None:
@@ -233,7 +268,7 @@ class Rig:
         counts["sglang_index_store"] = counts.get("sglang_index_store", 0) + 1
         return self._sglang_indexer()._store_index_k_cache(*args, **kwargs)
 
-    def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> "RigForward":
+    def _begin_forward(self, batch: Sequence[BatchItem], locs, pad_rows) -> "RigForward":
         """The forward's batches and backends, the plugin's ``init_forward_metadata`` hook,
         SGLang's CP preparation."""
         raise NotImplementedError
@@ -254,37 +289,49 @@ class Rig:
     def _end_forward(self) -> None:
         """The release's bookkeeping after a forward's layers."""
 
-    def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
-        """Compare the index K/scale the indexer kernels read; return the dequantised keys."""
+    def _compare_index_reads(self, where, lid, item: BatchItem, be_s, be_r, row: int):
+        """Compare the index K/scale the indexer kernels read for ``item`` (row ``row`` of each
+        backend's tables); return the dequantised keys."""
         raise NotImplementedError
 
-    def run_forward(self, req, prefix, extend_len, locs, full_view_layers, pad_rows):
-        seq_len = prefix + extend_len
+    def run_forward(self, batch: Sequence[BatchItem], locs, full_view_layers, pad_rows):
         debug_on = self.debug == "on" or (self.debug == "alternate" and self.forward_counter % 2 == 1)
         os.environ[DEBUG_ENV] = "1" if debug_on else "0"  # read once per batch, by attach_batch_state
-        forward = self._begin_forward(req, prefix, extend_len, locs, pad_rows)
+        forward = self._begin_forward(batch, locs, pad_rows)
         fb_s, be_s, fb_r, be_r = forward.fb_s, forward.be_s, forward.fb_r, forward.be_r
         rows = forward.out_cache_loc.numel()
         gen = torch.Generator().manual_seed(1_000_003 * self.forward_counter + 17)  # same on all ranks
         self.forward_counter += 1
+        shape = "; ".join(f"prefix {it.prefix}, extend {it.extend_len}" for it in batch)
         for layer in self.layers:
             lid = layer.layer_id
             self._phase(lid)
-            where = f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len}) layer {lid}"
-            # ---- indexer: store, then what its kernels read
+            where = f"forward {self.forward_counter} ({shape}) layer {lid}"
+            # ---- indexer: store, then what its kernels read, request by request of this rank's rows
             self._store_index(forward, lid, self._rand(gen, rows, INDEX_DIM))
-            k_idx = self._compare_index_reads(where, lid, seq_len, prefix, extend_len, be_s, be_r)
-            queries = torch.unique(torch.cat([torch.arange(0, extend_len, QUERY_STRIDE),
-                                              torch.tensor([extend_len - 1])])).to(self.device)
-            positions = reference_topk(self._rand(gen, len(queries), INDEX_HEADS, INDEX_DIM),
-                                       self._rand(gen, len(queries), INDEX_HEADS, dtype=torch.float32),
-                                       k_idx, prefix + queries)
-            topk_s = transform_topk(positions, be_s.forward_metadata.page_table_1)
-            topk_r = transform_topk(positions, be_r.forward_metadata.page_table_1)
+            # NOTE: every rank draws every request's numbers, whichever its tables hold, so the
+            # generators stay in step and the chunk's rows are the same on every rank
+            draws = []
+            for item in batch:
+                queries = torch.unique(torch.cat([torch.arange(0, item.extend_len, QUERY_STRIDE),
+                                                  torch.tensor([item.extend_len - 1])])).to(self.device)
+                draws.append((queries, self._rand(gen, len(queries), INDEX_HEADS, INDEX_DIM),
+                              self._rand(gen, len(queries), INDEX_HEADS, dtype=torch.float32)))
+            topk_s, topk_r = [], []
+            for row, index in enumerate(forward.rows):
+                item, (queries, q_index, weights) = batch[index], draws[index]
+                k_idx = self._compare_index_reads(where, lid, item, be_s, be_r, row)
+                positions = reference_topk(q_index, weights, k_idx, item.prefix + queries)
+                topk_s.append(transform_topk(positions, be_s.forward_metadata.page_table_1, row))
+                topk_r.append(transform_topk(positions, be_r.forward_metadata.page_table_1, row))
+                self.stats["topk_rows"] += int((positions >= 0).sum())
+            topk_s, topk_r = torch.cat(topk_s), torch.cat(topk_r)
             # ---- MLA: store the chunk, read through the top-k, attend
             k_nope = self._rand(gen, rows, 1, KV_LORA_RANK)
             k_rope = self._rand(gen, rows, 1, ROPE_DIM)
-            q = self._rand(gen, len(queries), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
+            q_all = self._rand(gen, sum(len(d[0]) for d in draws), Q_HEADS, KV_LORA_RANK + ROPE_DIM)
+            starts = np.cumsum([0] + [len(d[0]) for d in draws])
+            q = torch.cat([q_all[starts[i]: starts[i + 1]] for i in forward.rows])
             k_nope_s, k_rope_s = self._latent(fb_s, layer, k_nope, k_rope)
             save = lid not in full_view_layers
             if not save:  # the chunk was stored earlier by another writer: full-view read
@@ -298,9 +345,8 @@ class Rig:
                 self._expect_equal(f"{where}: {name}", got[name], want[name])
             self._phase(None)  # the rig's own bookkeeping below is not the forward's
             self.stats["layers"] += 1
-            self.stats["topk_rows"] += int((positions >= 0).sum())
         self._end_forward()
-        self._compare_shard_writes(f"forward {self.forward_counter} (prefix {prefix}, extend {extend_len})", locs)
+        self._compare_shard_writes(f"forward {self.forward_counter} ({shape})", locs)
         self.stats["forwards"] += 1
         self.shared.end_batch()
 

@@ -15,9 +15,12 @@ gloo); ``Indexer._store_index_k_cache`` (its CPU path: ``act_quant`` +
 ``set_index_k_scale_buffer``). A chunk shorter than the CP group is not split
 (``is_cp_active`` answers False) and every rank stores all of it, as SGLang does.
 
-Built by hand as ``init_forward_metadata`` would build them for one request (the backend
-needs a model runner): the page tables of ``DSAMetadata``. Attention kernels do not run on
-a CPU: :func:`.attention_reference.stock_forward_extend_inputs` stands for the stock
+Built by hand as ``init_forward_metadata`` would build them (the backend needs a model
+runner): the page tables of ``DSAMetadata``, holding the requests SGLang's own
+``shard_per_request`` keeps on this rank where the batch is dealt out (those with query
+tokens here: a batch's request shorter than the group is absent from some ranks' tables).
+Attention kernels do not run on a CPU:
+:func:`.attention_reference.stock_forward_extend_inputs` stands for the stock
 ``forward_extend`` (store the chunk, read the cache) and records what its kernel would read.
 """
 
@@ -46,6 +49,8 @@ class InterleaveRig(Rig):
         super().__init__(rank, n, dtype_name, group, device, debug=debug, physical_pages=physical_pages,
                          prefetch=prefetch)
         self.stats["split_forwards"] = 0  # forwards SGLang dealt out (the rest ran unsplit)
+        self.stats["requests_without_rows"] = 0  # requests of a batch absent from this rank's tables
+        self.stats["pages_listed_twice"] = 0  # a radix prefix shared by requests of one batch
 
     def _pools(self, logical: int, context, kwargs):
         """0.5.23's DSA pool beside the plugin's, and the plugin's interleave allocator."""
@@ -59,22 +64,43 @@ class InterleaveRig(Rig):
         return shared, DSATokenToKVPool(logical, **kwargs), allocator
 
     # ------------------------------------------------------------ forward
-    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
-        """0.5.23's ``ForwardBatch`` and the DSA metadata of one request, its backend (the
-        pool it holds) and the ``ForwardContext`` SGLang publishes around the forward."""
+    def _batch(self, pool, batch, out_cache_loc, rows):
+        """0.5.23's ``ForwardBatch`` and the DSA metadata of ``batch`` (its tables holding the
+        requests ``rows``), its backend (the pool and request table it holds) and the
+        ``ForwardContext`` SGLang publishes around the forward."""
         from sglang.srt.layers.attention.dsa_backend import DSAMetadata, TopkTransformMethod
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
         from sglang.srt.model_executor.forward_context import ForwardContext
 
-        metadata_fields, batch_fields = self._one_request_fields(req, prefix, extend_len, out_cache_loc, "dsa")
+        metadata_fields, batch_fields = self._batch_fields(batch, out_cache_loc, "dsa", rows)
         metadata = DSAMetadata(**metadata_fields)
         fb = ForwardBatch(**batch_fields)
         # fp8 KV reads through flashmla_sparse's RAGGED top-k transform, bf16 through PAGED, as
         # DeepseekSparseAttnBackend.get_topk_transform_method decides it for those backends
         method = TopkTransformMethod.RAGGED if self.fp8 else TopkTransformMethod.PAGED
         backend = SimpleNamespace(forward_metadata=metadata, token_to_kv_pool=pool,
+                                  req_to_token_pool=SimpleNamespace(req_to_token=self.req_to_token),
                                   get_topk_transform_method=lambda mode=None: method)
         return fb, backend, ForwardContext(attn_backend=backend)
+
+    def _rows_on_this_rank(self, batch) -> list:
+        """The requests ``init_forward_metadata`` keeps in this rank's tables: where the batch
+        is dealt out, those with query tokens here (SGLang's ``shard_per_request``; its device
+        half, a Triton kernel, is not run: the tables need only its host list), else all."""
+        import sglang.kernels.ops.attention.dsa.cp_split as cp_split
+        from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
+        from sglang.srt.layers.cp.base import get_cp_strategy
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        from sglang_cp_shared_kv.scoped import attributes_set
+
+        extend_lens = [it.extend_len for it in batch]
+        probe = SimpleNamespace(forward_mode=ForwardMode.EXTEND, extend_seq_lens_cpu=extend_lens)
+        if not can_dsa_prefill_cp_interleave(probe):
+            return list(range(len(batch)))
+        with attributes_set(cp_split, dsa_cp_interleave_q_seqs=lambda *args: (None, None)):
+            _, _, rows, _ = get_cp_strategy().shard_per_request(extend_lens, torch.tensor(extend_lens))
+        return list(rows)
 
     def _split(self, fb) -> bool:
         """SGLang's CP preparation of the batch (``prepare_cp_forward``, where ``is_cp_active``):
@@ -98,19 +124,24 @@ class InterleaveRig(Rig):
         self._expect_equal("SGLang's interleave all-gather of the chunk", out, full)
         return out
 
-    def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> RigForward:
+    def _begin_forward(self, batch, locs, pad_rows) -> RigForward:
         """The batches, the plugin's ``init_forward_metadata`` hook, SGLang's CP preparation.
         ``pad_rows`` (0.5.12's in-seq padding rows of ``out_cache_loc``) has no counterpart:
-        interleave pads only each rank's local rows, which its gathers drop."""
+        interleave pads only each rank's local rows, which its gathers drop. Both pools'
+        tables hold this rank's requests, as a stock rank's would."""
         from sglang_cp_shared_kv.forward.hooks_dsa import attach_batch_state
 
-        fb_s, be_s, ctx_s = self._batch(self.shared, req, prefix, extend_len, locs)
-        fb_r, be_r, ctx_r = self._batch(self.replicated, req, prefix, extend_len, locs)
+        rows = self._rows_on_this_rank(batch)
+        fb_s, be_s, ctx_s = self._batch(self.shared, batch, locs, rows)
+        fb_r, be_r, ctx_r = self._batch(self.replicated, batch, locs, rows)
         self._phase(None, forward_start=True)
         split = self._split(fb_s)  # the model prepares CP before its layers, after the backend's metadata
         attach_batch_state(None, be_s, fb_s)
         self.stats["split_forwards"] += int(split)
-        return RigForward(fb_s, be_s, fb_r, be_r, locs, extra=dict(ctx_s=ctx_s, ctx_r=ctx_r, split=split))
+        self.stats["requests_without_rows"] += len(batch) - len(rows)
+        listed = self.shared.batch_state.seq_pages
+        self.stats["pages_listed_twice"] += int(listed.numel() - torch.unique(listed).numel())
+        return RigForward(fb_s, be_s, fb_r, be_r, locs, rows=rows, extra=dict(ctx_s=ctx_s, ctx_r=ctx_r, split=split))
 
     def _store_index(self, forward: RigForward, layer_id: int, key: torch.Tensor) -> None:
         """The chunk's index keys (gathered by interleave where SGLang splits) through the
@@ -152,10 +183,12 @@ class InterleaveRig(Rig):
     def _end_forward(self) -> None:
         """Nothing to count: the pool's context counts every interleave forward as gathered."""
 
-    def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
+    def _compare_index_reads(self, where, lid, item, be_s, be_r, row):
         """The index K/scale the indexer kernels read (0.5.23 keeps only the fused K+scale
-        read), through each backend's ``real_page_table``."""
-        tables = be_s.forward_metadata.real_page_table, be_r.forward_metadata.real_page_table
+        read), through row ``row`` of each backend's ``real_page_table``."""
+        seq_len = item.seq_len
+        tables = (be_s.forward_metadata.real_page_table[row: row + 1],
+                  be_r.forward_metadata.real_page_table[row: row + 1])
         lens = torch.tensor([seq_len], dtype=torch.int64, device=self.device)
         got = self.shared.get_index_k_scale_buffer(lid, lens, tables[0], seq_len, seq_len)
         want = self.replicated.get_index_k_scale_buffer(lid, lens, tables[1], seq_len, seq_len)

@@ -43,11 +43,11 @@ class InSeqRig(Rig):
         allocator = CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, kwargs["dtype"], self.device, shared, True)
         return shared, NSATokenToKVPool(logical, **kwargs), allocator
 
-    def _batch(self, pool, req, prefix, extend_len, out_cache_loc):
+    def _batch(self, pool, batch, out_cache_loc):
         from sglang.srt.layers.attention.nsa_backend import NSAMetadata, TopkTransformMethod
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-        metadata_fields, batch_fields = self._one_request_fields(req, prefix, extend_len, out_cache_loc, "nsa")
+        metadata_fields, batch_fields = self._batch_fields(batch, out_cache_loc, "nsa", rows=[0])
         metadata = NSAMetadata(**metadata_fields)
         fb = ForwardBatch(**batch_fields, token_to_kv_pool=pool)
         # fp8 KV reads through flashmla_sparse's RAGGED top-k transform (the plugin's choice for
@@ -132,18 +132,20 @@ class InSeqRig(Rig):
             return latent_kept_local(deepseek_v2.DeepseekV2AttentionMLA.rebuild_cp_kv_cache, attention,
                                      latent_cache, fb, nope, rope)
 
-    def _begin_forward(self, req, prefix, extend_len, locs, pad_rows) -> "RigForward":
+    def _begin_forward(self, batch, locs, pad_rows) -> "RigForward":
         """The forward's batches and backends (the shared pool's through the plugin's
         ``init_forward_metadata`` hook), then SGLang's in-seq CP metadata, as the model builds
-        it after the backend's. SGLang pads the CP chunk with ``pad_rows`` location-0 rows."""
+        it after the backend's. SGLang pads the CP chunk with ``pad_rows`` location-0 rows.
+        One request per batch, as the in-seq split takes."""
         from sglang_cp_shared_kv.forward.hooks import attach_batch_state
 
+        (item,) = batch
         out_cache_loc = torch.cat([locs, torch.zeros(pad_rows, dtype=torch.int64, device=self.device)])
-        fb_s, be_s = self._batch(self.shared, req, prefix, extend_len, out_cache_loc)
-        fb_r, be_r = self._batch(self.replicated, req, prefix, extend_len, out_cache_loc)
+        fb_s, be_s = self._batch(self.shared, batch, out_cache_loc)
+        fb_r, be_r = self._batch(self.replicated, batch, out_cache_loc)
         self._phase(None, forward_start=True)
         attach_batch_state(None, be_s, fb_s)
-        fb_s.attn_cp_metadata = self._cp_metadata(fb_s, extend_len + pad_rows, prefix + extend_len)
+        fb_s.attn_cp_metadata = self._cp_metadata(fb_s, item.extend_len + pad_rows, item.seq_len)
         return RigForward(fb_s, be_s, fb_r, be_r, out_cache_loc)
 
     def _store_index(self, forward: "RigForward", layer_id: int, key: torch.Tensor) -> None:
@@ -172,18 +174,19 @@ class InSeqRig(Rig):
             key = f"index={'local' if plan.index else 'gathered'},mla={'local' if plan.mla else 'gathered'}"
             paths[key] = paths.get(key, 0) + 1
 
-    def _compare_index_reads(self, where, lid, seq_len, prefix, extend_len, be_s, be_r):
+    def _compare_index_reads(self, where, lid, item, be_s, be_r, row):
         """The index K/scale the indexer kernels read, at the lengths the CP segments read."""
         tables = be_s.forward_metadata.real_page_table, be_r.forward_metadata.real_page_table
-        split = prefix + (self.rank + 1) * extend_len // (self.n + 1)  # a rank-dependent kv_len
+        seq_len = item.seq_len
+        split = item.prefix + (self.rank + 1) * item.extend_len // (self.n + 1)  # a rank-dependent kv_len
         for kv_len in sorted({seq_len, max(split, 1)}):
             for name in ("get_index_k_continuous", "get_index_k_scale_continuous"):
-                got = getattr(self.shared, name)(lid, kv_len, tables[0][0])
-                want = getattr(self.replicated, name)(lid, kv_len, tables[1][0])
+                got = getattr(self.shared, name)(lid, kv_len, tables[0][row])
+                want = getattr(self.replicated, name)(lid, kv_len, tables[1][row])
                 self._expect_equal(f"{where}: {name}({kv_len})", got, want)
         lens = torch.tensor([seq_len], dtype=torch.int64, device=self.device)
-        got = self.shared.get_index_k_scale_buffer(lid, lens, tables[0], seq_len, seq_len)
-        want = self.replicated.get_index_k_scale_buffer(lid, lens, tables[1], seq_len, seq_len)
+        got = self.shared.get_index_k_scale_buffer(lid, lens, tables[0][row: row + 1], seq_len, seq_len)
+        want = self.replicated.get_index_k_scale_buffer(lid, lens, tables[1][row: row + 1], seq_len, seq_len)
         for part, g, w in zip(("K", "scale"), got, want):
             self._expect_equal(f"{where}: get_index_k_scale_buffer {part}", g, w)
         k = want[0].view(torch.float8_e4m3fn).float() * want[1].view(torch.float32)

@@ -1,6 +1,7 @@
 """The scenarios the CP harness runs on every rank, in the same order (each a function of
 one :class:`~.cp_rig.Rig`): one chunk, chunked prefill with mid-page boundaries, radix
 prefix hits, a prefix ending mid-page, fewer pages than ranks, the phase-2 full view,
+batches of several requests (0.5.23),
 chunks SGLang cuts page by page (local writes) with and without a radix prefix, a
 negative control (one corrupted history page must be caught) and a randomized soak.
 """
@@ -73,6 +74,21 @@ def aligned_radix_hit(rig: Rig):
     rig.extend(donor, unit)
     hit = rig.share_prefix(donor, pages=3 + 2 * rig.n - 1)
     rig.extend(hit, 2 * unit)
+
+
+def batched_requests(rig: Rig):
+    """Several requests per prefill batch (0.5.23's interleave deals their tokens out
+    together): two fresh requests; then one of a single token beside them (absent from the
+    tables of the ranks it deals no query token to); then two radix hits on one donor's
+    prefix in the same batch as the donor (its first pages listed three times, placed once),
+    the donor's chunk starting mid-page and one layer a full view; then a batch shorter than
+    the CP group at N >= 4 (run unsplit)."""
+    donor, other = rig.new_request(), rig.new_request()
+    rig.extend_batch([(donor, 300), (other, 130)])
+    rig.extend_batch([(donor, 77), (rig.new_request(), 1), (other, 64)])
+    first_hit, second_hit = rig.share_prefix(donor, pages=4), rig.share_prefix(donor, pages=3)
+    rig.extend_batch([(first_hit, 100), (second_hit, 200), (other, 5), (donor, 50)], full_view_layers=(1,))
+    rig.extend_batch([(rig.new_request(), 2), (rig.new_request(), 1)])
 
 
 def full_view_fallback(rig: Rig):
@@ -176,8 +192,10 @@ SCENARIOS: Dict[str, Callable[[Rig], None]] = {
 #: The scenarios of the 0.5.23 harness (``cp_harness_dsa``, interleave CP). Left out: the
 #: page-by-page chunks (local writes) and lane exhaustion, which exercise 0.5.12.post1's
 #: compute-owner allocation and local writes; interleave has neither (docs/design.md).
+#: Added: batches of several requests, which 0.5.12.post1's in-seq split never forms.
 INTERLEAVE_SCENARIOS: Dict[str, Callable[[Rig], None]] = {
-    name: SCENARIOS[name] for name in ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
-                                       "fewer_pages_than_ranks", "full_view_fallback",
-                                       "corrupted_shard_is_detected", "soak")
+    **{name: SCENARIOS[name] for name in ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
+                                          "fewer_pages_than_ranks", "full_view_fallback",
+                                          "corrupted_shard_is_detected", "soak")},
+    "batched_requests": batched_requests,
 }

@@ -45,7 +45,9 @@ def _check_inverse_inputs(seq_pages, dense_page, num_logical_pages, out):
 def build_page_inverse(seq_pages: torch.Tensor, dense_page: torch.Tensor, num_logical_pages: int,
                        out: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """Table of ``num_logical_pages`` entries: the dense page of each page of the sequence
-    (``seq_pages``, distinct, never 0, all < num_logical_pages), 0 everywhere else."""
+    (``seq_pages``, never 0, all < num_logical_pages; a page listed twice, as a radix prefix
+    two requests of a batch share, has the same dense page in both listings), 0 everywhere
+    else."""
     _check_inverse_inputs(seq_pages, dense_page, num_logical_pages, out)
     out = torch.zeros(num_logical_pages, dtype=dtype, device=seq_pages.device) if out is None else out.zero_()
     n = seq_pages.numel()
