@@ -33,6 +33,12 @@ import e2e_cp_logprobs as e2e  # this script's own folder is on sys.path
 from sglang_cp_shared_kv.testing.server import stop, write_model
 
 
+#: what a stopped scheduler leaves in its log: a CUDA assert, an exception, running out of GPU memory
+ERROR_MARKS = ("Assertion", "Error", "Traceback", "out of memory", "Killed")
+#: lines of a dead server's log kept in the JSON
+LOG_TAIL_LINES = 40
+
+
 def probe(name: str, stable_topk: bool, args, model, port: int):
     run_args = argparse.Namespace(tp=args.tp, share_gpu=True, kv_cache_dtype="bfloat16", stable_topk=stable_topk,
                                   boot_timeout=args.boot_timeout)
@@ -52,9 +58,10 @@ def probe(name: str, stable_topk: bool, args, model, port: int):
         record["server_alive"] = proc.poll() is None
     finally:
         stop(proc)
-    text = log_path.read_text(errors="replace")
-    record["first_error"] = next((line.strip()[:300] for line in text.splitlines()
-                                  if "Assertion" in line or "RuntimeError" in line or "IndexError" in line), None)
+    lines = log_path.read_text(errors="replace").splitlines()
+    record["first_error"] = next((line.strip()[:300] for line in lines if any(m in line for m in ERROR_MARKS)), None)
+    if not record["server_alive"]:  # the cause may not be any of the marks (killed, NCCL): the log's end
+        record["log_tail"] = [line[:300] for line in lines[-LOG_TAIL_LINES:]]
     return name, record
 
 

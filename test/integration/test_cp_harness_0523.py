@@ -1,7 +1,8 @@
 """On SGLang 0.5.23 (interleave CP), shared KV is bit-exact against the replicated baseline on
 N = 2, 3, 4, 8 CP ranks (sglang_cp_shared_kv/testing/cp_harness_dsa.py says what runs real
 and what is compared): bf16 and fp8 KV, every scenario of ``INTERLEAVE_SCENARIOS``, the
-one-layer-ahead MLA history prefetch at N = 2, 3, 4, the randomized soak at N = 3.
+one-layer-ahead MLA history prefetch at N = 2, 3, 4, the randomized soak (one request per batch, and
+up to three) at N = 3.
 Runs only where sglang 0.5.23 is installed (``.venv-0.5.23``).
 
 NOTE: kept to what CI's two cores allow beside the 0.5.12.post1 harness (about 14 minutes):
@@ -36,7 +37,7 @@ def group(request, tiny_nsa_model):
     jobs = [(name, dtype, "on") for dtype in DTYPES for name in CHUNKS]
     jobs += [("corrupted_shard_is_detected", dtype, "off") for dtype in DTYPES]
     if n in SOAK_N:
-        jobs += [("soak", dtype, "alternate") for dtype in DTYPES]
+        jobs += [(name, dtype, "alternate") for dtype in DTYPES for name in ("soak", "batched_soak")]
     if n in PREFETCH_N:
         jobs += [(name, dtype, "off", {"prefetch": True}) for dtype in DTYPES for name in PREFETCH_SCENARIOS]
     return n, run_interleave_cp_group(n, jobs, tiny_nsa_model, timeout_s=900)
@@ -95,6 +96,10 @@ def test_soak_bit_exact(group):
         pytest.skip(f"the soak runs at N in {SOAK_N}")
     for key, outcome in assert_clean(results, "soak").items():
         assert outcome["stats"]["mixes"] == 200 and outcome["stats"]["split_forwards"] > 0, key
+    for key, outcome in assert_clean(results, "batched_soak").items():  # up to 3 requests per batch
+        stats = outcome["stats"]
+        assert stats["mixes"] == 120 and stats["forwards"] > stats["mixes"], (key, stats)
+        assert stats["requests_without_rows"] > 0 and stats["pages_listed_twice"] > 0, (key, stats)
 
 
 def test_prefetch_bit_exact_over_its_own_communicator(group):

@@ -1,9 +1,9 @@
 """The scenarios the CP harness runs on every rank, in the same order (each a function of
 one :class:`~.cp_rig.Rig`): one chunk, chunked prefill with mid-page boundaries, radix
 prefix hits, a prefix ending mid-page, fewer pages than ranks, the phase-2 full view,
-batches of several requests (0.5.23),
 chunks SGLang cuts page by page (local writes) with and without a radix prefix, a
-negative control (one corrupted history page must be caught) and a randomized soak.
+negative control (one corrupted history page must be caught) and a randomized soak; on
+0.5.23, batches of several requests, planned and in a soak.
 """
 
 from __future__ import annotations
@@ -138,25 +138,25 @@ def lane_exhaustion(rig: Rig):
     rig.stats["compute_owner_after"] = alloc.stats.compute_owner_chunks - before.compute_owner_chunks
 
 
-def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
+def soak(rig: Rig, mixes: int = 200, seed: int = 20261129, most_requests_per_batch: int = 1):
     """Random request mixes: fresh and chunked requests, radix prefix hits, frees and page
     reuse (so ownership of a sequence's pages gets uneven), padding rows. One request in
-    four is long enough (2N to 2N + 3 pages) for compute-owner allocation of its chunks."""
+    four is long enough (2N to 2N + 3 pages) for compute-owner allocation of its chunks.
+    ``most_requests_per_batch`` > 1 (0.5.23): each mix brings 1 to that many requests, whose
+    chunks run together, one forward per round (a request with chunks left joins each)."""
     rng = np.random.default_rng(seed)
     live: List[Request] = []
 
     def users(exclude):
         return {p for r in live if r is not exclude for p in r.pages}
 
-    for mix in range(mixes):
-        if live and (len(live) > 5 or rng.random() < 0.3):
-            victim = live.pop(int(rng.integers(len(live))))
-            rig.release(victim, users(victim))
+    def new_request():
         donor = live[int(rng.integers(len(live)))] if live and rng.random() < 0.35 else None
         if donor is not None and len(donor.pages) > 1:
-            req = rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
-        else:
-            req = rig.new_request()
+            return rig.share_prefix(donor, int(rng.integers(1, len(donor.pages))))
+        return rig.new_request()
+
+    def chunks_of_a_prompt():
         long_request, unit = rng.random() < 0.25, page_by_page_chunk_unit(rig.n, PAGE)
         if long_request and rng.random() < 0.5:  # chunks SGLang cuts page by page: local writes
             units = int(rng.integers(1, 3))
@@ -165,22 +165,37 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129):
         else:
             total = int(rng.integers(unit, unit + 4 * PAGE)) if long_request else int(rng.integers(1, 400))
             cuts = sorted(set(rng.integers(1, total, size=int(rng.integers(0, 3))).tolist())) if total > 1 else []
-        chunks = np.diff([0, *cuts, total]).tolist()
-        ok = True
-        for chunk in chunks:
+        return [int(chunk) for chunk in np.diff([0, *cuts, total])]
+
+    for mix in range(mixes):
+        if live and (len(live) > 5 or rng.random() < 0.3):
+            victim = live.pop(int(rng.integers(len(live))))
+            rig.release(victim, users(victim))
+        count = 1 if most_requests_per_batch == 1 else int(rng.integers(1, most_requests_per_batch + 1))
+        # NOTE: two requests of one mix hitting the same donor list its pages twice in a batch
+        prompts = [(new_request(), chunks_of_a_prompt()) for _ in range(count)]
+        ok, round_ = True, 0
+        while ok and any(round_ < len(chunks) for _, chunks in prompts):
+            batch = [(req, chunks[round_]) for req, chunks in prompts if round_ < len(chunks)]
             full_view = (0,) if rng.random() < 0.1 else ()
-            pad = (-int(chunk)) % rig.n if rng.random() < 0.5 else int(rng.integers(0, 2 * rig.n))
-            if not rig.extend(req, int(chunk), full_view_layers=full_view, pad_rows=pad):
-                ok = False
-                break
+            rows = sum(chunk for _, chunk in batch)
+            pad = (-rows) % rig.n if rng.random() < 0.5 else int(rng.integers(0, 2 * rig.n))
+            ok = rig.extend_batch(batch, full_view_layers=full_view, pad_rows=pad)
+            round_ += 1
         if ok:
-            live.append(req)
+            live.extend(req for req, _ in prompts)
         else:  # out of memory: give everything back and go on
-            rig.release(req, users(req))
+            for req, _ in prompts:
+                rig.release(req, users(req) | {p for other, _ in prompts if other is not req for p in other.pages})
             while live:
                 victim = live.pop()
                 rig.release(victim, users(victim))
     rig.stats["mixes"] = mixes
+
+
+def batched_soak(rig: Rig):
+    """The soak with up to three requests per prefill batch (0.5.23's interleave)."""
+    soak(rig, mixes=120, seed=20261203, most_requests_per_batch=3)
 
 
 SCENARIOS: Dict[str, Callable[[Rig], None]] = {
@@ -198,4 +213,5 @@ INTERLEAVE_SCENARIOS: Dict[str, Callable[[Rig], None]] = {
                                           "fewer_pages_than_ranks", "full_view_fallback",
                                           "corrupted_shard_is_detected", "soak")},
     "batched_requests": batched_requests,
+    "batched_soak": batched_soak,
 }
