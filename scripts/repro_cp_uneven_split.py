@@ -62,7 +62,10 @@ def probe(name: str, stable_topk: bool, args, model, port: int):
         stop(proc)
     lines = log_path.read_text(errors="replace").splitlines()
     record["first_error"] = next((line.strip()[:300] for line in lines if any(m in line for m in ERROR_MARKS)), None)
-    if not record["server_alive"]:  # the cause may not be any of the marks (killed, NCCL): the log's end
+    # NOTE: a scheduler can die under a live HTTP process (the 2026-12-04 stand-in server did):
+    # a prompt left unanswered keeps the log's end too, whatever the process says
+    unanswered = any(record.get(label) != "answered" for label in ("even_1504", "uneven_1500"))
+    if unanswered or not record["server_alive"]:
         record["log_tail"] = [line[:300] for line in lines[-LOG_TAIL_LINES:]]
     return name, record
 

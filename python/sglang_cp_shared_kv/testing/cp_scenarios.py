@@ -171,6 +171,7 @@ def soak(rig: Rig, mixes: int = 200, seed: int = 20261129, most_requests_per_bat
         if live and (len(live) > 5 or rng.random() < 0.3):
             victim = live.pop(int(rng.integers(len(live))))
             rig.release(victim, users(victim))
+        # NOTE: no draw for one request per batch: the one-request soak keeps its random stream (and mixes)
         count = 1 if most_requests_per_batch == 1 else int(rng.integers(1, most_requests_per_batch + 1))
         # NOTE: two requests of one mix hitting the same donor list its pages twice in a batch
         prompts = [(new_request(), chunks_of_a_prompt()) for _ in range(count)]
