@@ -26,7 +26,7 @@ SGLANG_0523_TESTS = frozenset({
     "integration/test_deploy_commands_0523.py", "integration/test_launch_server_0523.py",
     "integration/test_transfer_hooks_0523.py", "integration/test_transfer_mooncake_e2e.py",
     "integration/test_metrics_0523.py", "integration/test_fused_index_store_source.py",
-    "integration/test_selfcheck.py",
+    "integration/test_selfcheck.py", "integration/test_rank_agreement.py", "unit/test_rank_agreement_audit.py",
 })
 _HERE = Path(__file__).resolve().parent
 _INSTALLED = sg.installed_sglang_version()  # NOTE: read once, not per collected path

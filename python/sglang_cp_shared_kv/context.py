@@ -16,6 +16,7 @@ from typing import Dict, Optional
 
 from sglang_cp_shared_kv.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.forward.agreement import ForwardAgreement
 from sglang_cp_shared_kv.kernels import KernelDispatch
 from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
 from sglang_cp_shared_kv.stage_timer import StageTimer
@@ -54,12 +55,17 @@ class CpSharedKVContext:
     #: with ``--enable-metrics``: ``write_paths`` is also counted in Prometheus,
     #: ``sglang:cp_shared_kv_prefill_forwards_total{cp_rank,index,mla}``
     metrics_enabled: bool = False
+    #: the problems this rank found during the forward in flight and the kernels that raised
+    #: here, until its CP group agrees on them (``forward.agreement``); built from the above
+    agreement: ForwardAgreement = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, CpSharedKVLayout):
             raise TypeError(f"CpSharedKVContext needs a CpSharedKVLayout, got {type(self.layout).__name__}")
         if self.stage_timer is None and nvtx_enabled():
             self.stage_timer = StageTimer.from_env(self.layout.cp_rank)
+        self.agreement = ForwardAgreement(self.layout.cp_rank, self.layout.cp_size, self.kernels,
+                                          metrics_enabled=self.metrics_enabled)
 
     def count_write_path(self, index: str, mla: str) -> None:
         """One more forward whose index keys / MLA latent reached the shards by ``index`` /

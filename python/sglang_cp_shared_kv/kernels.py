@@ -7,10 +7,14 @@ beside it. A :class:`KernelDispatch` (one per shared-KV model runner, held by it
 
 * the tensors are on a CUDA device,
 * debug mode (``SGLANG_DEBUG_CP_SHARED_KV=1``) is off -- debug runs the checked path, and
-* the kernel has not raised before in this dispatch;
+* the kernel has not raised before, on this rank since the last agreement point of its CP
+  group, or on any rank of the group before that;
 
-and the reference otherwise. A kernel that raises is logged once (one warning per
-kernel) and its reference is used from then on, silently. Successful runs log nothing.
+and the reference otherwise. A kernel that raises runs its reference instead, on that
+rank, for the rest of the forward (:attr:`KernelDispatch.failed_here`, with the cause);
+the forward's agreement point (:mod:`.forward.agreement`) then tells the whole CP group,
+and from the next forward every rank runs the reference (:attr:`KernelDispatch.failed`),
+logged once per kernel with its cause and counted. Successful runs log nothing.
 
 The two stores are the exception: their fallback is ``stock``, the caller's own SGLang
 store of the same rows, because SGLang's fp8 MLA quantiser divides with Triton's
@@ -19,13 +23,13 @@ write exactly the bytes SGLang writes.
 
 The choice between kernel and fallback never changes which collectives run: none of
 these functions communicates, and both paths produce the same bytes. A rank that falls
-back alone stays in step with the group.
+back alone, until its group agrees, stays in step with the group.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -57,22 +61,41 @@ def _all_on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+#: Every kernel a :class:`KernelDispatch` runs, by the name it records a failure under.
+#: NOTE: the order is the bit order of the agreement's kernel mask (``forward.agreement``):
+#: append only.
+KERNEL_NAMES: Tuple[str, ...] = (
+    "store_mla_rows", "store_mla_rows_fp8", "store_index_rows", "copy_mla_rows", "copy_index_rows",
+    "pack_pages", "build_page_inverse", "remap_locs", "rerange_in_seq",
+)
+
+
 class KernelDispatch:
     """Kernel or reference, per call; remembers the kernels that raised (per instance, so
     two engines in one process, or two test configurations, do not share it)."""
 
     def __init__(self) -> None:
-        self.failed: Set[str] = set()  # kernels that raised once: reference from now on
+        #: kernels the CP group runs as their reference, decided at an agreement point
+        self.failed: Set[str] = set()
+        #: kernels that raised on this rank since the last agreement point -> the cause
+        self.failed_here: Dict[str, str] = {}
+
+    def fall_back(self, name: str) -> None:
+        """From now on ``name`` runs its reference (the group decided it)."""
+        if name not in KERNEL_NAMES:
+            raise ValueError(f"unknown kernel {name!r}")
+        self.failed.add(name)
 
     def _run(self, name: str, tensors: Sequence[torch.Tensor], kernel: Callable, fallback: Callable):
         package = kernel_package()
-        if name not in self.failed and not debug_enabled() and _all_on_cuda(tensors):
+        if (name not in self.failed and name not in self.failed_here and not debug_enabled()
+                and _all_on_cuda(tensors)):
             try:
                 return kernel(package)
             except Exception as exc:
-                self.failed.add(name)
-                logger.warning("CP shared KV: kernel %s failed (%s: %s); using its reference from now on",
-                               name, type(exc).__name__, exc)
+                self.failed_here[name] = f"{type(exc).__name__}: {exc}"
+                logger.warning("CP shared KV: kernel %s raised (%s); its reference runs instead on this rank, and "
+                               "the CP group decides at this forward's agreement point", name, self.failed_here[name])
         return fallback(package)
 
     # ---------------------------------------------------------------------- stores

@@ -69,6 +69,17 @@ def _transfer_hooks_on_both_releases() -> Tuple[HookSpec, ...]:
 
 
 @functools.cache
+def _forward_agreement_hook() -> HookSpec:
+    """The forward's agreement point, on both releases: a problem one CP rank recorded during
+    the forward fails every rank together, a kernel that raised on one falls back on all
+    (``forward.agreement``)."""
+    from sglang_cp_shared_kv.forward import hooks as forward
+
+    return HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.forward", forward.agree_after_forward,
+                    "after")
+
+
+@functools.cache
 def _hook_table() -> Tuple[HookSpec, ...]:
     """The hook table of the supported release (imports the modules that hold the hooks)."""
     from sglang_cp_shared_kv import capacity, decode_server, metrics
@@ -98,6 +109,7 @@ def _hook_table() -> Tuple[HookSpec, ...]:
         # registry rebinds the name in the modules that imported it (deepseek_v2, nsa_indexer, ...)
         HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
                  forward.all_gather_in_seq_order, "around"),
+        _forward_agreement_hook(),
         # --- PD transfer of each rank's shard
         *_transfer_hooks_on_both_releases(),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),
@@ -141,6 +153,7 @@ def _table_0523() -> Tuple[HookSpec, ...]:
         # a batch too short to deal out runs unsplit, its index key through SGLang's fused store
         HookSpec(f"{_DSA_INDEXER}._fused_k_prepare_and_store", forward.fused_index_k_owned_and_dense, "around"),
         HookSpec(f"{_DSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
+        _forward_agreement_hook(),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",

@@ -121,11 +121,15 @@ class CpSharedPoolMixin:
         self._prefetched = history
 
     def take_prefetched(self, layer_id: int):
-        """The MLA history prefetched for ``layer_id`` (None if there is none for it)."""
+        """The MLA history prefetched for ``layer_id`` (None if there is none for it). One
+        prefetched for another layer (the layers ran out of order) is recorded for the
+        forward's agreement point and taken all the same: its gather was issued on every
+        rank, so taking it keeps this rank's collectives in step with the group's."""
         history, self._prefetched = self._prefetched, None
         if history is not None and history.layer_id != layer_id:
-            raise RuntimeError(f"{FLAG}: layer {layer_id} found layer {history.layer_id}'s prefetched history; "
-                               "the layers ran out of order")
+            self.context.agreement.record(
+                "prefetch_layer", f"layer {layer_id} found layer {history.layer_id}'s prefetched history; the "
+                "layers ran out of order", layer_id)
         return history
 
     def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:

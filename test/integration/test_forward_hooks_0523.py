@@ -41,6 +41,7 @@ def rig(monkeypatch):
 
     torch_standins.install(monkeypatch.setattr)
     monkeypatch.setattr(batch_state, "cp_device_group", lambda layout: None)
+    monkeypatch.setattr(batch_state, "check_cp_group", lambda state: None)  # no group to check against
     with get_parallel().override(attn_dcp_size=1, attn_dcp_rank=0):
         yield InterleaveRig(RANK, N, "bf16", group=None, physical_pages=6)
 
@@ -139,30 +140,38 @@ def test_an_unsplit_batchs_fused_index_store_lands_in_the_dense_view_and_the_own
     assert rig.shared.context.write_paths == {("gathered", "gathered"): 1}
 
 
-def test_a_store_at_other_locations_than_the_batchs_is_refused(rig):
+def test_a_store_at_other_locations_than_the_batchs_is_recorded_and_goes_to_the_planned_rows(rig):
+    """Other locations than the batch's could differ on one rank alone: recorded for the
+    forward's agreement point (which fails every rank: test_rank_agreement.py), and the store
+    goes to the batch's planned rows meanwhile, so the rank stays in step."""
     from sglang.srt.model_executor.forward_context import forward_context
 
     locs, (fb, backend, ctx), _ = _first_chunk(rig, 70, rig.shared)
     attach_batch_state(None, backend, fb)
-    _, original = _recording()
-    with forward_context(ctx), pytest.raises(RuntimeError, match="other than the batch's out_cache_loc"):
+    calls, original = _recording()
+    with forward_context(ctx):
         store_index_k_owned_and_dense(original, "indexer", fb, LAYER, torch.zeros(70, 128),
                                       out_cache_loc=locs.flip(0))
+    fault = rig.shared.context.agreement.fault
+    assert fault.check == "chunk_locations" and fault.layer == LAYER
+    assert "other than the batch's out_cache_loc" in fault.message
+    assert torch.equal(calls[-1][1]["out_cache_loc"], rig.shared.batch_state.dense_out_locs)
 
 
-def test_a_chunk_with_another_row_count_than_the_batchs_is_refused(rig):
+def test_a_chunk_with_another_row_count_than_the_batchs_is_recorded_and_replaced_by_zeros(rig):
     """A store handed fewer rows than the batch's out_cache_loc (a rank's own rows, or rows
-    SGLang narrowed for a kernel) would place them at the wrong locations: refused, named,
-    for the index key and for the latent alike."""
+    SGLang narrowed for a kernel) would place them at the wrong locations: recorded, named,
+    for the agreement point; SGLang's store gets zeros of the batch's shape instead, so the
+    rank issues the same collectives as the others until then."""
     from sglang.srt.model_executor.forward_context import forward_context
 
     _, (fb, backend, ctx), _ = _first_chunk(rig, 70, rig.shared)
     attach_batch_state(None, backend, fb)
     calls, original = _recording()
-    with forward_context(ctx), pytest.raises(RuntimeError, match="the index key chunk has 35 rows for the batch's 70"):
-        store_index_k_owned_and_dense(original, "indexer", fb, LAYER, torch.zeros(35, 128))
-    k_nope, k_rope = torch.zeros(35, 1, 512).bfloat16(), torch.zeros(35, 1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="the MLA latent chunk has 35 rows for the batch's 70"):
-        forward_extend_on_dense_view(original, backend, "q", k_nope, "v", SimpleNamespace(layer_id=LAYER), fb,
-                                     save_kv_cache=True, k_rope=k_rope)
-    assert not calls  # SGLang's store and kernels never ran
+    with forward_context(ctx):
+        store_index_k_owned_and_dense(original, "indexer", fb, LAYER, torch.ones(35, 128))
+    fault = rig.shared.context.agreement.fault
+    assert (fault.check, fault.layer) == ("chunk_rows", LAYER)
+    assert "the index key chunk has 35 rows for the batch's 70" in fault.message
+    (stored,) = [args[3] for args, _ in calls]
+    assert stored.shape == (70, 128) and not stored.any()

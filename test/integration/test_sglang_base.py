@@ -80,6 +80,7 @@ def test_on_0523_the_table_holds_every_concern():
     test_cp_harness_0523.py, test_decode_admission_0523.py, test_transfer_hooks_0523.py and
     test_transfer_mooncake_e2e.py run them against 0.5.23's real classes)."""
     from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, metrics, server_args_dsa
+    from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.forward import hooks_dsa as forward_dsa
     from sglang_cp_shared_kv.hook_check import RESOLUTION
     from sglang_cp_shared_kv.transfer import hooks as transfer
@@ -90,6 +91,7 @@ def test_on_0523_the_table_holds_every_concern():
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
                                                          forward_dsa.__name__, decode_server_dsa.__name__,
                                                          metrics.__name__,
+                                                         forward.__name__,  # the agreement point: both releases
                                                          transfer.__name__, transfer_dsa.__name__}
     backend = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
     indexer = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
@@ -109,6 +111,7 @@ def test_on_0523_the_table_holds_every_concern():
         (f"{backend}.forward_extend", "around"),
         (f"{indexer}._store_index_k_cache", "around"),
         (f"{indexer}._fused_k_prepare_and_store", "around"),
+        ("sglang.srt.model_executor.model_runner.ModelRunner.forward", "after"),
         (f"{decode_queue}.__init__", "after"),
         (f"{decode_queue}._check_if_req_exceed_kv_capacity", "around"),
         ("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", "around"),

@@ -1,6 +1,7 @@
 """sglang_cp_shared_kv.kernels: when the Triton kernel runs, when its reference (or, for the
 stores, SGLang's own store) does, and what gets logged (one warning per failing kernel,
-nothing on success)."""
+nothing on success). A kernel that raised runs its reference on this rank until the CP
+group agrees (``failed_here``), then on every rank (``failed``: test_rank_agreement.py)."""
 
 import logging
 import sys
@@ -102,6 +103,9 @@ def test_a_failing_kernel_warns_once_then_falls_back_silently(monkeypatch, caplo
     assert package.calls == ["store_mla_rows"], "a kernel that raised is not tried again"
     (warning,) = warnings_of(caplog)
     assert "store_mla_rows" in warning.getMessage() and "exploded" in warning.getMessage()
+    # this rank's failure, with its cause, waits for the group's agreement point
+    assert dispatch.failed_here == {"store_mla_rows": "RuntimeError: store_mla_rows exploded"}
+    assert dispatch.failed == set()
     # the other kernels keep running
     dispatch.store_mla_rows(*_mla_args(), packed_fp8=True, stock=lambda: stock.append(1))
     assert package.calls[-1] == "store_mla_rows_fp8" and stock == [1, 1, 1]
@@ -123,7 +127,7 @@ def test_failures_belong_to_one_dispatch(monkeypatch, caplog):
     second = KernelDispatch()
     pages = torch.arange(20, dtype=torch.int64).view(5, 4)
     first.pack_pages(pages, torch.tensor([1]))
-    assert first.failed == {"pack_pages"} and second.failed == set()
+    assert set(first.failed_here) == {"pack_pages"} and second.failed_here == {}
     package.broken.clear()
     assert second.pack_pages(pages, torch.tensor([1])) == "kernel-result"
     assert torch.equal(first.pack_pages(pages, torch.tensor([1])), pages[[1]])  # still on its reference
@@ -200,3 +204,30 @@ def test_rerange_builds_its_segment_table_once_per_metadata(monkeypatch):
     metadata.reverse_split_len = [2, 1, 2, 1]
     dispatch.rerange_in_seq(gathered, metadata)
     assert len(built) == 2
+
+
+def test_a_kernel_the_group_gave_up_on_is_not_tried(monkeypatch):
+    """After the group's decision (``fall_back``) the kernel runs nowhere, even where it would
+    not raise, and the decision survives the next agreement point (``failed_here`` cleared)."""
+    package = FakePackage()
+    dispatch = _install(monkeypatch, package, on_cuda=True)
+    dispatch.fall_back("pack_pages")
+    dispatch.failed_here.clear()
+    pages = torch.arange(20, dtype=torch.int64).view(5, 4)
+    assert torch.equal(dispatch.pack_pages(pages, torch.tensor([3])), pages[[3]])
+    assert package.calls == []
+    with pytest.raises(ValueError, match="unknown kernel"):
+        dispatch.fall_back("no_such_kernel")
+
+
+def test_every_kernel_the_dispatch_runs_has_a_name_in_the_mask():
+    """A failure is carried to the agreement point as a bit of KERNEL_NAMES: every name
+    ``_run`` records must be there (read from the dispatch's own source)."""
+    import inspect
+    import re
+
+    source = inspect.getsource(KernelDispatch)
+    recorded = set(re.findall(r'self\._run\("(\w+)"', source))
+    recorded |= set(re.findall(r'"(store_mla_rows(?:_fp8)?)"', source))
+    assert recorded and recorded <= set(kernels.KERNEL_NAMES)
+    assert len(set(kernels.KERNEL_NAMES)) == len(kernels.KERNEL_NAMES) < 63

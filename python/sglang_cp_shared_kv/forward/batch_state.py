@@ -130,15 +130,26 @@ def _with_physical_locs(layout: CpSharedKVLayout, loc: torch.Tensor,
 
 
 def cp_device_group(layout: CpSharedKVLayout):
-    """The attention-CP process group SGLang set up for this rank, checked against the layout
-    (the all-gather output is ordered by group rank, the layout by CP rank)."""
-    group = sg.get_attention_cp_group().device_group
+    """The attention-CP process group SGLang set up for this rank (the gathers' group;
+    :func:`check_cp_group` checks it against the layout)."""
+    return sg.get_attention_cp_group().device_group
+
+
+def cp_cpu_group():
+    """The CPU (gloo) group SGLang keeps beside the attention-CP device group: the forward's
+    agreement point (:mod:`.agreement`) exchanges its few integers there, with no device
+    synchronisation."""
+    return sg.get_attention_cp_group().cpu_group
+
+
+def check_cp_group(state: "CpSharedBatchState") -> None:
+    """The CP group's rank and size are the layout's (the all-gather output is ordered by
+    group rank, the layout by CP rank)."""
+    group, layout = state.group, state.layout
     rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
     if (rank, size) != (layout.cp_rank, layout.cp_size):
-        raise RuntimeError(
-            f"{FLAG}: the attention CP group has rank {rank} of {size} but the pool was built "
-            f"for CP rank {layout.cp_rank} of {layout.cp_size}")
-    return group
+        raise AssertionError(f"the attention CP group has rank {rank} of {size} but the pool was built "
+                             f"for CP rank {layout.cp_rank} of {layout.cp_size}")
 
 
 def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, *, seq_pages: torch.Tensor,
@@ -238,10 +249,10 @@ def build_for_forward(pool, metadata, forward_batch, backend=None, *,
 # ------------------------------------------------------------------------- checks
 def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
     """Debug-mode invariants of the batch state, SGLang's ``metadata`` and its ``dense``
-    translation (synchronise the device)."""
+    translation (synchronise the device); a failed one raises ``AssertionError``, which the
+    caller carries to the batch's agreement point (``steps.begin_forward``)."""
     if state.num_requests > 1:
         several_requests.check_rows(state, metadata, dense, pool)
-        check_plan_agrees(state, int(state.seq_pages.sum()))
         return
     layout, page_map, seq_len = state.layout, state.page_map, state.seq_len
     page_size = layout.page_size
@@ -250,41 +261,40 @@ def check_batch_state(state: CpSharedBatchState, metadata, dense, pool) -> None:
     logical_table = page_table_1[0, :seq_len].to(torch.int64)
     pages = logical_table // page_size
     if bool((pages <= 0).any()) or bool((pages > pool.size // page_size).any()):
-        raise AssertionError(f"{FLAG}: the sequence's page table leaves the logical page range")
+        raise AssertionError("the sequence's page table leaves the logical page range")
     if not torch.equal(logical_table % page_size, positions % page_size):
-        raise AssertionError(f"{FLAG}: the sequence's page table is not page-aligned")
+        raise AssertionError("the sequence's page table is not page-aligned")
     chunk = state.out_cache_loc[: state.extend_len].to(torch.int64)
     if not torch.equal(chunk, logical_table[state.prefix_len:]):
-        raise AssertionError(f"{FLAG}: out_cache_loc does not match the page table's chunk rows")
+        raise AssertionError("out_cache_loc does not match the page table's chunk rows")
     if bool((state.out_cache_loc[state.extend_len:] >= page_size).any()):
-        raise AssertionError(f"{FLAG}: padding rows of out_cache_loc leave the dummy page")
+        raise AssertionError("padding rows of out_cache_loc leave the dummy page")
     dense_slots = page_map.dense_token_table(seq_len, seq_len)  # where each position must land
     if not torch.equal(state.dense_out_locs[: state.extend_len].to(torch.int64), dense_slots[state.prefix_len:]):
-        raise AssertionError(f"{FLAG}: the chunk's dense locations are not its positions' dense slots")
+        raise AssertionError("the chunk's dense locations are not its positions' dense slots")
     if not torch.equal(dense.page_table_1[0, :seq_len].to(torch.int64), dense_slots):
-        raise AssertionError(f"{FLAG}: the dense page_table_1 does not address each position's dense slot")
+        raise AssertionError("the dense page_table_1 does not address each position's dense slot")
     if not torch.equal(dense.real_page_table[0, : page_map.num_pages].to(torch.int64), page_map.dense_page):
-        raise AssertionError(f"{FLAG}: the dense real_page_table does not list the sequence's dense pages")
+        raise AssertionError("the dense real_page_table does not list the sequence's dense pages")
     owners = layout.owner_for_logical_pages(state.out_cache_loc[state.owned_rows] // page_size)
     if bool((owners != layout.cp_rank).any()):
-        raise AssertionError(f"{FLAG}: a row selected for this rank is owned by another rank")
+        raise AssertionError("a row selected for this rank is owned by another rank")
     if state.num_owned_rows and int(state.owned_physical_locs.max()) >= pool.physical_size + page_size:
-        raise AssertionError(f"{FLAG}: an owned row maps outside the physical pool")
-    check_plan_agrees(state, int(pages.sum()))
+        raise AssertionError("an owned row maps outside the physical pool")
     logger.debug(
         "CP shared KV batch: seq_len=%d prefix=%d pages=%d history=%d M_h=%d M_c=%d dense_pages=%d owned_rows=%d",
         state.seq_len, state.prefix_len, page_map.num_pages, page_map.history_pages,
         page_map.history_pad, page_map.current_pad, page_map.num_dense_pages, state.num_owned_rows)
 
 
-def check_plan_agrees(state: CpSharedBatchState, page_sum: int) -> None:
-    """Every CP rank must size the collectives identically (one all-gather, debug mode)."""
-    page_map, n = state.page_map, state.layout.cp_size
-    mine = torch.tensor([page_map.num_pages, page_map.history_pages, page_map.history_pad, page_map.current_pad,
-                         page_sum], dtype=torch.int64, device=state.out_cache_loc.device)
-    everyone = torch.empty(n * mine.numel(), dtype=mine.dtype, device=mine.device)
-    torch.distributed.all_gather_into_tensor(everyone, mine, group=state.group)
-    if not bool((everyone.view(n, -1) == mine).all()):
-        raise AssertionError(
-            f"{FLAG}: CP ranks disagree on the materialize plan (pages, history, M_h, M_c, page sum): "
-            f"{everyone.view(n, -1).tolist()}")
+#: What every CP rank must hold identically to size the forward's collectives (debug mode
+#: agrees on it at the batch's start, ``steps.begin_forward``): the map's pages, its history
+#: pages and paddings (M_h, M_c) and the sum of the logical pages it places.
+GATHER_PLAN_FIELDS = ("pages", "history", "M_h", "M_c", "page_sum")
+
+
+def gather_plan(state: CpSharedBatchState) -> Tuple[int, ...]:
+    """This rank's :data:`GATHER_PLAN_FIELDS` (reads the device: debug mode only)."""
+    page_map = state.page_map
+    return (page_map.num_pages, page_map.history_pages, page_map.history_pad, page_map.current_pad,
+            int(state.seq_pages.to(torch.int64).sum()))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, steps, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.nvtx import marked
@@ -43,11 +42,15 @@ def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
     return result
 
 
-def _local_rows(plan: local_writes.LocalWrites, rows, what: str):
-    """The chunk rows of ``rows`` (this rank's local rows, as SGLang hands them over)."""
+def _local_rows(pool, plan: local_writes.LocalWrites, rows, what: str, layer_id: int):
+    """The chunk rows of ``rows`` (this rank's local rows, as SGLang hands them over). Another
+    count than planned can happen on one rank alone: recorded for the forward's agreement
+    point (every rank then fails, naming it), the rank carrying on with zeros."""
     if rows.shape[0] != plan.rows:
-        raise RuntimeError(f"{FLAG}: local writes planned {plan.rows} local {what} rows on this rank, "
-                           f"SGLang handed over {rows.shape[0]}")
+        pool.context.agreement.record(
+            "local_rows", f"local writes planned {plan.rows} local {what} rows on this rank, SGLang handed over "
+            f"{rows.shape[0]}", layer_id)
+        return rows.new_zeros((plan.real_rows, *rows.shape[1:]))
     return rows[: plan.real_rows]
 
 
@@ -79,8 +82,8 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     plan = local_writes.plan_for(pool, forward_batch)
     if plan.index:
         with marked("owner_write", state.timer):
-            writes.store_local_index_rows(sglang_store, pool, layer_id, _local_rows(plan, key, "index key"),
-                                          plan.physical_locs)
+            writes.store_local_index_rows(sglang_store, pool, layer_id,
+                                          _local_rows(pool, plan, key, "index key", layer_id), plan.physical_locs)
         materialize.materialize_index(state, pool, layer_id, None)
     else:
         steps.store_gathered_index_chunk(state, pool, layer_id, key, sglang_store)
@@ -98,9 +101,11 @@ def latent_kept_local(original, attention, latent_cache, forward_batch, k_nope, 
     plan = local_writes.plan_for(pool, forward_batch)
     if not plan.mla:
         return original(attention, latent_cache, forward_batch, k_nope, k_pe)
+    layer = attention.attn_mqa
     with marked("owner_write", state.timer):
-        writes.store_local_mla_rows(pool, attention.attn_mqa, plan.physical_locs,
-                                    _local_rows(plan, k_nope, "latent"), _local_rows(plan, k_pe, "latent"))
+        writes.store_local_mla_rows(pool, layer, plan.physical_locs,
+                                    _local_rows(pool, plan, k_nope, "latent", layer.layer_id),
+                                    _local_rows(pool, plan, k_pe, "latent", layer.layer_id))
     return k_nope, k_pe
 
 
@@ -120,6 +125,16 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
     return steps.attend_on_dense_view(
         state, pool, layer, chunk,
         lambda: original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs))
+
+
+def agree_after_forward(result, runner, forward_batch, *args, **kwargs):
+    """AFTER ``ModelRunner.forward``: the forward's agreement point (:mod:`.agreement`) on
+    a shared-KV pool -- a problem any CP rank recorded during the forward fails every rank
+    here, together; a kernel that raised on any rank falls back on every rank."""
+    pool = getattr(runner, "token_to_kv_pool", None)
+    if isinstance(pool, CpSharedPoolMixin):
+        steps.end_forward(pool)
+    return result
 
 
 def all_gather_in_seq_order(original, input_tensor, cp_size, forward_batch, stream):

@@ -33,7 +33,6 @@ from typing import Optional
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward import materialize, steps
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, same_memory
 from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
@@ -47,15 +46,17 @@ def _shared_pool_in_flight(pool) -> Optional[CpSharedPoolMixin]:
     return pool
 
 
-def _check_chunk_locations(state: CpSharedBatchState, out_cache_loc, what: str) -> None:
+def _check_chunk_locations(pool, state: CpSharedBatchState, out_cache_loc, what: str, layer_id: int) -> None:
     """SGLang stores at the batch's ``out_cache_loc`` (None: that one); any other location
-    list would be rows the batch state never planned for."""
+    list would be rows the batch state never planned for. Recorded for the forward's
+    agreement point (every rank then fails, naming it); the store goes to the planned rows."""
     if out_cache_loc is None or same_memory(out_cache_loc, state.out_cache_loc):
         return
     if out_cache_loc.shape == state.out_cache_loc.shape and torch.equal(out_cache_loc, state.out_cache_loc):
         return
-    raise RuntimeError(f"{FLAG}: {what} asked to store at {tuple(out_cache_loc.shape)} locations other than "
-                       "the batch's out_cache_loc; a shared-KV prefill rank stores only its batch's chunk")
+    pool.context.agreement.record(
+        "chunk_locations", f"{what} asked to store at {tuple(out_cache_loc.shape)} locations other than the batch's "
+        "out_cache_loc; a shared-KV prefill rank stores only its batch's chunk", layer_id)
 
 
 def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
@@ -76,7 +77,7 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     if pool is None:
         return original(indexer, forward_batch, layer_id, key, act_quant=act_quant, out_cache_loc=out_cache_loc)
     state = pool.batch_state
-    _check_chunk_locations(state, out_cache_loc, "the index store")
+    _check_chunk_locations(pool, state, out_cache_loc, "the index store", layer_id)
 
     def sglang_store(keys, locs):
         original(indexer, forward_batch, layer_id, keys, act_quant=act_quant, out_cache_loc=locs)
@@ -94,7 +95,7 @@ def fused_index_k_owned_and_dense(original, indexer, key_raw, positions, forward
     if pool is None:
         return original(indexer, key_raw, positions, forward_batch, layer_id, act_quant, out_cache_loc=out_cache_loc)
     state = pool.batch_state
-    _check_chunk_locations(state, out_cache_loc, "the fused index prepare-and-store")
+    _check_chunk_locations(pool, state, out_cache_loc, "the fused index prepare-and-store", layer_id)
 
     def sglang_prepare_and_store(dense):
         with pool.index_writes_into(layer_id, dense):

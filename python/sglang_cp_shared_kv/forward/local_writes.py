@@ -29,7 +29,9 @@ stay local.
 
 The decision is made once per forward, at its first layer, from SGLang's CP metadata
 (``split_list``), the sequence's pages and the batch's lengths -- the same on every CP
-rank, so every rank leaves out the same collectives and issues the same ones instead.
+rank, so every rank leaves out the same collectives and issues the same ones instead (by
+construction: :func:`plan_local_writes` reads no rank's own metadata; debug mode also
+agrees on it, ``forward.agreement``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
-from sglang_cp_shared_kv.page_split import segment_rank, segment_row_ranges, token_split_page_ranks
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, cp_cpu_group
+from sglang_cp_shared_kv.page_split import segment_row_ranges, token_split_page_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +72,34 @@ def local_row_ranges(split_list, zigzag_index) -> List[Tuple[int, int]]:
     return [ranges[segment] for segment in zigzag_index]
 
 
+def in_seq_segments(rank: int, cp_size: int) -> List[int]:
+    """The zigzag segments SGLang's in-seq split gives CP rank ``rank``, in the order its
+    ``zigzag_index`` lists them: ``rank`` and ``2 * cp_size - 1 - rank``."""
+    return [rank, 2 * cp_size - 1 - rank]
+
+
+def _padding_ends_every_ranks_rows(split: List[int], extend_len: int, n: int) -> bool:
+    """SGLang pads the chunk at its end: every rank's real rows come before its padding rows
+    (checked for every rank, so every rank decides alike)."""
+    for rank in range(n):
+        padding_seen = False
+        for start, end in local_row_ranges(split, in_seq_segments(rank, n)):
+            if padding_seen and min(end, extend_len) > start:
+                return False
+            padding_seen = padding_seen or end > extend_len
+    return True
+
+
 def plan_local_writes(state: CpSharedBatchState, cp_metadata) -> LocalWrites:
     """The local-writes decision for the forward of ``state`` (module docstring).
     ``cp_metadata``: SGLang's ``ContextParallelMetadata`` of the batch (None: SGLang does
-    not split it)."""
+    not split it).
+
+    NOTE: the decision (``index``, ``mla``, ``reason``) reads only what every CP rank holds
+    identically -- SGLang's ``split_list``, the batch's lengths, the page map's owners, the
+    attention path -- and every rank's segments as the split defines them, never this rank's
+    own metadata: every rank leaves out the same collectives by construction. Only the rows
+    (which of the chunk's rows are this rank's) are this rank's own."""
     layout, page_map, out_cache_loc = state.layout, state.page_map, state.out_cache_loc
     page_size, n, rank = layout.page_size, layout.cp_size, layout.cp_rank
     if cp_metadata is None or not cp_metadata.split_list or state.extend_len < 1:
@@ -87,16 +112,9 @@ def plan_local_writes(state: CpSharedBatchState, cp_metadata) -> LocalWrites:
         return _phase3("SGLang's token-balanced split cuts a page between two ranks")
     if ranks != page_map.current_owners:
         return _phase3("a page of the chunk is not owned by the rank computing it (interleaved pages)")
-    zigzag = [int(x) for x in cp_metadata.zigzag_index]
-    if sorted(segment_rank(s, n) for s in zigzag) != [rank, rank]:
-        raise RuntimeError(f"{FLAG}: CP rank {rank} computes segments {zigzag} of SGLang's in-seq split; "
-                           f"rank r computes segments r and {2 * n - 1} - r")
-    ranges = local_row_ranges(split, zigzag)
-    padding_seen = False
-    for start, end in ranges:  # SGLang pads the chunk at its end: this rank's real rows come first
-        if padding_seen and min(end, state.extend_len) > start:
-            return _phase3("SGLang's padding rows are not at the end of this rank's rows")
-        padding_seen = padding_seen or end > state.extend_len
+    if not _padding_ends_every_ranks_rows(split, state.extend_len, n):
+        return _phase3("SGLang's padding rows are not at the end of a rank's rows")
+    ranges = local_row_ranges(split, in_seq_segments(rank, n))
     real = [(start, min(end, state.extend_len)) for start, end in ranges if start < state.extend_len]
     rows = sum(end - start for start, end in ranges)
     real_rows = sum(end - start for start, end in real)
@@ -106,6 +124,17 @@ def plan_local_writes(state: CpSharedBatchState, cp_metadata) -> LocalWrites:
     return LocalWrites(
         index=True, mla=mla, rows=rows, real_rows=real_rows, physical_locs=physical,
         reason="" if mla else "fp8 RAGGED attention of a chunk without prefix reads the gathered bf16 chunk rows")
+
+
+def check_segments(cp_metadata, rank: int, n: int) -> None:
+    """SGLang's metadata gives this rank the segments the plan assumes (``AssertionError``
+    otherwise: the rows SGLang hands this rank would not be the planned ones)."""
+    if cp_metadata is None or not cp_metadata.split_list:
+        return
+    zigzag = [int(x) for x in cp_metadata.zigzag_index]
+    if zigzag != in_seq_segments(rank, n):
+        raise AssertionError(f"CP rank {rank} computes segments {zigzag} of SGLang's in-seq split; rank r computes "
+                             f"segments r and {2 * n - 1} - r ({in_seq_segments(rank, n)})")
 
 
 def check_plan(plan: LocalWrites, state: CpSharedBatchState, forward_batch) -> None:
@@ -118,29 +147,43 @@ def check_plan(plan: LocalWrites, state: CpSharedBatchState, forward_batch) -> N
     mine = sg.cp_utils.cp_split_and_rebuild_position(forward_batch, positions)
     if mine.numel() != plan.rows or not bool((mine[: plan.real_rows] < state.extend_len).all()) or bool(
             (mine[plan.real_rows:] < state.extend_len).any()):
-        raise AssertionError(f"{FLAG}: local writes: this rank's rows (positions {mine.tolist()[:8]}...) are "
+        raise AssertionError(f"local writes: this rank's rows (positions {mine.tolist()[:8]}...) are "
                              f"not the {plan.real_rows} chunk rows, then {plan.rows - plan.real_rows} padding, "
                              "that were planned")
     locs = state.out_cache_loc.index_select(0, mine[: plan.real_rows])
     if not torch.equal(state.layout.logical_locs_to_physical(locs, validate=False), plan.physical_locs):
-        raise AssertionError(f"{FLAG}: local writes: planned physical locations differ from SGLang's rows'")
+        raise AssertionError("local writes: planned physical locations differ from SGLang's rows'")
     if not bool(state.layout.owned_by_this_rank(locs, validate=False).all()):
-        raise AssertionError(f"{FLAG}: local writes: a row computed here lies on a page another rank owns")
+        raise AssertionError("local writes: a row computed here lies on a page another rank owns")
+
+
+#: What debug mode agrees on after planning (every rank must decide alike)
+PLAN_FIELDS = ("index_local", "mla_local")
 
 
 def plan_for(pool, forward_batch) -> LocalWrites:
-    """The decision for the forward in flight, made on its first call and kept on the pool."""
+    """The decision for the forward in flight, made on its first call and kept on the pool.
+    This rank's segments are checked against the plan's (a difference recorded for the
+    forward's agreement point); in debug mode the plan is checked against SGLang's own split
+    and the group agrees on the decision before any collective depends on it."""
     state = pool.batch_state
     cp_metadata = getattr(forward_batch, "attn_cp_metadata", None)
     kept = pool.local_writes
     if kept is not None and kept[0] is cp_metadata:
         return kept[1]
+    agreement = pool.context.agreement
     plan = plan_local_writes(state, cp_metadata)
+    if plan.index:
+        with agreement.carried("in_seq_segments"):
+            check_segments(cp_metadata, state.layout.cp_rank, state.layout.cp_size)
     if state.debug:
         if plan.index:
-            check_plan(plan, state, forward_batch)
+            with agreement.carried("debug:local_writes"):
+                check_plan(plan, state, forward_batch)
         logger.debug("CP shared KV local writes: index=%s mla=%s rows=%d real=%d %s", plan.index, plan.mla,
                      plan.rows, plan.real_rows, plan.reason)
+        agreement.agree(cp_cpu_group(), extra=(int(plan.index), int(plan.mla)), extra_names=PLAN_FIELDS,
+                        extra_what="the local-writes decision")
     pool.context.count_write_path("local" if plan.index else "gathered", "local" if plan.mla else "gathered")
     pool.local_writes = (cp_metadata, plan)
     return plan

@@ -40,7 +40,6 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.config import FLAG
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.writes import copy_owned_index_rows, copy_owned_mla_rows, store_mla_rows_into
 from sglang_cp_shared_kv.kernels import KernelDispatch
@@ -147,12 +146,13 @@ def new_dense_view(like: torch.Tensor, num_rows: int, page_rows: int) -> torch.T
     return dense
 
 
-def _check_owned_rows_match(state: CpSharedBatchState, what: str, physical_rows: torch.Tensor,
-                            dense_rows: torch.Tensor) -> None:
+def _check_owned_rows_match(pool, what: str, physical_rows: torch.Tensor, dense_rows: torch.Tensor,
+                            layer_id: int) -> None:
+    """Debug mode: the owned rows copied into the shard are the view's, byte for byte (a
+    difference recorded for the forward's agreement point)."""
     if not torch.equal(physical_rows.view(torch.uint8), dense_rows.view(torch.uint8)):
-        raise AssertionError(
-            f"{FLAG}: {what} rows written to this rank's pool differ from the dense view's "
-            f"(rank {state.layout.cp_rank})")
+        pool.context.agreement.record(
+            "debug:owned_rows", f"{what} rows written to this rank's pool differ from the dense view's", layer_id)
 
 
 # ------------------------------------------------------------------------ index
@@ -186,8 +186,8 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
         with marked("owner_write", state.timer):
             copy_owned_index_rows(pool, state, layer_id, dense)
         if state.debug:
-            _check_owned_rows_match(state, "index", index_rows(shard, state.owned_physical_locs, page_size),
-                                    index_rows(dense, state.owned_dense_locs, page_size))
+            _check_owned_rows_match(pool, "index", index_rows(shard, state.owned_physical_locs, page_size),
+                                    index_rows(dense, state.owned_dense_locs, page_size), layer_id)
     if state.debug:
         logger.debug("CP shared KV layer %d index: dense %d pages, received %d B%s", layer_id,
                      page_map.num_dense_pages, received, "" if store_chunk_into is not None else " (chunk local)")
@@ -246,7 +246,8 @@ def finish_mla_view(state: CpSharedBatchState, pool, layer, history: MlaHistory,
         with marked("owner_write", state.timer):
             copy_owned_mla_rows(pool, state, layer.layer_id, dense)
         if state.debug:
-            _check_owned_rows_match(state, "MLA", shard[state.owned_physical_locs], dense[state.owned_dense_locs])
+            _check_owned_rows_match(pool, "MLA", shard[state.owned_physical_locs], dense[state.owned_dense_locs],
+                                    layer.layer_id)
     if state.debug:
         logger.debug("CP shared KV layer %d MLA: dense %d pages, received %d B%s", layer.layer_id,
                      page_map.num_dense_pages, received, "" if chunk is not None else " (full view)")

@@ -26,7 +26,6 @@ from typing import Sequence, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.config import FLAG
 
 
 def batch_pages(backend, forward_batch, prefix_lens: Sequence[int], extend_lens: Sequence[int],
@@ -74,19 +73,19 @@ def check_rows(state, metadata, dense, pool) -> None:
     page_size, page_map = state.layout.page_size, state.page_map
     listed = state.seq_pages.to(torch.int64)
     if bool((listed <= 0).any()) or bool((listed > pool.size // page_size).any()):
-        raise AssertionError(f"{FLAG}: the batch lists a page outside the logical page range")
+        raise AssertionError("the batch lists a page outside the logical page range")
     placed = {}
     for page, where in zip(listed.tolist(), page_map.dense_page.tolist()):
         if placed.setdefault(page, where) != where:
-            raise AssertionError(f"{FLAG}: logical page {page} has two dense pages in one batch")
+            raise AssertionError(f"logical page {page} has two dense pages in one batch")
     if len(set(placed.values())) != len(placed):
-        raise AssertionError(f"{FLAG}: two logical pages of the batch share a dense page")
+        raise AssertionError("two logical pages of the batch share a dense page")
     chunk_rows = sum(state.extend_lens)
     chunk = state.out_cache_loc[:chunk_rows].to(torch.int64)
     expected = torch.tensor([placed.get(int(page), -1) for page in (chunk // page_size).tolist()],
                             dtype=torch.int64) * page_size + (chunk % page_size).cpu()
     if not torch.equal(state.dense_out_locs[:chunk_rows].to(torch.int64).cpu(), expected):
-        raise AssertionError(f"{FLAG}: a chunk row's dense location is not its page's dense page")
+        raise AssertionError("a chunk row's dense location is not its page's dense page")
     row_lens = metadata.cache_seqlens_int32.to(torch.int64)
     within = ~_past_row_ends(metadata.page_table_1.shape[1], row_lens)
     logical = metadata.page_table_1.to(torch.int64)[within]
@@ -94,4 +93,4 @@ def check_rows(state, metadata, dense, pool) -> None:
     want = torch.tensor([placed.get(int(page), -1) for page in (logical // page_size).tolist()],
                         dtype=torch.int64) * page_size + (logical % page_size).cpu()
     if bool((want < 0).any()) or not torch.equal(translated.cpu(), want):
-        raise AssertionError(f"{FLAG}: a page table row reads a page the batch's dense map does not hold")
+        raise AssertionError("a page table row reads a page the batch's dense map does not hold")

@@ -348,7 +348,15 @@ class Rig:
         self._end_forward()
         self._compare_shard_writes(f"forward {self.forward_counter} ({shape})", locs)
         self.stats["forwards"] += 1
-        self.shared.end_batch()
+        self.end_forward(fb_s)
+
+    def end_forward(self, fb_s) -> None:
+        """The forward's agreement point, through the plugin's AFTER hook on
+        ``ModelRunner.forward`` as a server reaches it (raises on every rank when any rank
+        recorded a problem); the batch ends there."""
+        from sglang_cp_shared_kv.forward.hooks import agree_after_forward
+
+        agree_after_forward(None, SimpleNamespace(token_to_kv_pool=self.shared), fb_s)
 
     def _compare_shard_writes(self, where, locs):
         """The chunk rows this rank owns, as its shard now holds them (MLA and index, every
