@@ -15,6 +15,7 @@
 #   another, each report named after its arguments); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
 #   TP1 noise floor on one; JSON and logs to $out);
+#   CP_SIZES="3,5,6,7" runs scripts/repro_cp_sizes.py (stock in-seq split at those CP sizes, one GPU; CP_SIZES_ARGS adds options);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
 #   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder;
@@ -124,6 +125,13 @@ if [ -n "${UNEVEN:-}" ]; then  # UNEVEN="--tp 8": scripts/repro_cp_uneven_split.
   python3 scripts/repro_cp_uneven_split.py $UNEVEN --workdir "$out/uneven-work" --out "$out/repro_cp_uneven_split.json" \
     > "$out/repro_cp_uneven_split.txt" 2>&1 || status=1
   rm -rf "$out/uneven-work/tiny-dsv32-64k"; tail -25 "$out/repro_cp_uneven_split.txt"
+  checkpoint
+fi
+if [ -n "${CP_SIZES:-}" ]; then  # CP_SIZES="3,5,6,7": scripts/repro_cp_sizes.py, one flag-off server per size, one GPU
+  python3 scripts/repro_cp_sizes.py --sizes "$CP_SIZES" ${CP_SIZES_ARGS:-} --workdir "$out/cp-sizes-work" \
+    --out "$out/repro_cp_sizes.json" > "$out/repro_cp_sizes.txt" 2>&1 || status=1
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print('cp sizes served', d['served'], 'not', d['not_served'])" \
+    "$out/repro_cp_sizes.json" || tail -20 "$out/repro_cp_sizes.txt"
   checkpoint
 fi
 if [ -n "${TTFT:-}" ]; then

@@ -61,6 +61,18 @@ FP8_IN_SEQ_SPLIT_CRASHING_BACKEND = "flashmla_kv"
 FP8_IN_SEQ_SPLIT_CRASHING_PREFILL_BACKENDS = ("flashmla_kv", "flashmla_auto")
 FP8_IN_SEQ_SPLIT_BACKEND = "flashmla_sparse"
 _NSA_BACKEND_SIDES = ("prefill", "decode")
+# NOTE: the CP sizes stock SGLang 0.5.12.post1's in-seq-split NSA prefill CP serves (its attention
+# CP size, and --tp-size: the split sets ep_size = tp_size with DeepEP, and asserts tp_size <= 8).
+# Evidence: measured on one H200 (2026-12-04, every rank sharing it, the tiny DeepSeek-V3.2 with
+# its dense MLP, expert count and vocabulary made divisible): CP2, CP4 and CP8 serve, CP3 and CP5
+# stop at the first prompt with "CUDA error: an illegal memory access", flag off and on alike.
+# CP6 and CP7 are predicted from the code until scripts/repro_cp_sizes.py runs on a GPU: the
+# in-seq split forces --moe-a2a-backend deepep over all --tp-size ranks (server_args.py,
+# _handle_model_specific_adjustments), and DeepEP's normal (prefill) mode has configs and intranode
+# kernels for 2, 4 and 8 ranks only within one node (deep_ep Buffer.get_dispatch_config /
+# get_combine_config; csrc/kernels/launch.cuh SWITCH_RANKS): "Unsupported number of EP ranks" at the
+# first MoE layer of every DeepSeek-V3.2 / GLM-5 prefill.
+IN_SEQ_SPLIT_CP_SIZES = (2, 4, 8)
 #: The flag value ``from_cli_args`` is building a ``ServerArgs`` for (its ``cls(**fields)``
 #: passes dataclass fields only, and ``__post_init__`` already needs the flag).
 _CLI_FLAG_VALUE: "contextvars.ContextVar[bool]" = contextvars.ContextVar("cp_shared_kv_cli_flag", default=False)
@@ -224,6 +236,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                "there is nothing to shard with one CP rank; with "
                "--enable-nsa-prefill-context-parallel the CP size is --tp-size / --dp-size, so "
                "use --tp-size 2 or more.")
+    cp_size_problem(server_args, refuse)
     if server_args.page_size != PAGE_SIZE:
         refuse(f"--page-size {server_args.page_size}",
                f"the page-interleaved layout and the NSA index buffer use {PAGE_SIZE}-token "
@@ -254,6 +267,23 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
         pd_problems(server_args, refuse, other="decode")
     prefill_feature_problems(server_args, refuse)
     return problems
+
+
+def cp_size_problem(server_args, refuse) -> None:
+    """Refuse an in-seq-split CP layout stock SGLang cannot serve (:data:`IN_SEQ_SPLIT_CP_SIZES`):
+    its attention CP size (``--tp-size / --dp-size``) or its ``--tp-size`` (the DeepEP width)."""
+    cp_size, tp_size = server_args.attn_cp_size, server_args.tp_size
+    if not (server_args.enable_nsa_prefill_context_parallel and server_args.nsa_prefill_cp_mode == "in-seq-split"
+            and cp_size > 1) or {cp_size, tp_size} <= set(IN_SEQ_SPLIT_CP_SIZES):
+        return
+    *first, last = (str(n) for n in IN_SEQ_SPLIT_CP_SIZES)
+    served, choose = (f"{', '.join(first)} {word} {last}" for word in ("and", "or"))
+    dp = f" --dp-size {server_args.dp_size}" if server_args.dp_size > 1 else ""
+    refuse(f"--tp-size {tp_size}{dp} (attention CP size {cp_size})",
+           f"SGLang {sg.SGLANG_VERSION}'s in-seq-split NSA prefill CP serves CP sizes {served} only, flag off too: "
+           "at CP 3 and 5 its first prefill crashed with \"CUDA error: an illegal memory access\" (measured), and "
+           f"it runs DeepEP expert parallelism over all --tp-size ranks, which has kernels for {served} ranks; "
+           f"use --tp-size {choose} (the attention CP size, --tp-size / --dp-size, must be one of them too).")
 
 
 def prefill_feature_problems(server_args, refuse) -> None:

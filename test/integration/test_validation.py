@@ -16,6 +16,7 @@ REFUSALS = {
     "no_prefill_cp": ({"enable_nsa_prefill_context_parallel": False}, {}, {},
                       "--enable-nsa-prefill-context-parallel is off", "add --enable-nsa-prefill-context-parallel"),
     "cp_size_one": ({"tp_size": 1}, {}, {}, "attention CP size 1", "use --tp-size 2 or more"),
+    "cp_size_three": ({"tp_size": 3}, {}, {}, "--tp-size 3 (attention CP size 3)", "use --tp-size 2, 4 or 8"),
     "page_size": ({}, {"page_size": 32}, {}, "--page-size 32", "set --page-size 64"),
     "not_pd_prefill": ({"disaggregation_mode": "null"}, {}, {}, "--disaggregation-mode null",
                        "--disaggregation-mode prefill"),
@@ -128,6 +129,37 @@ def test_valid_configuration_passes(tiny_nsa_model, monkeypatch):
     server_args.check_server_args()
     fp8 = _build(tiny_nsa_model, {"kv_cache_dtype": "fp8_e4m3"}, {}, {}, monkeypatch)
     fp8.check_server_args()
+
+
+# (--tp-size, --dp-size, refused): 3 and 5 measured, 6 and 7 predicted from the code
+CP_SIZES = [(2, 1, False), (3, 1, True), (4, 1, False), (5, 1, True), (6, 1, True), (7, 1, True), (8, 1, False),
+            (8, 2, False), (8, 4, False), (6, 2, True)]
+
+
+@pytest.mark.parametrize("tp,dp,refused", CP_SIZES)
+def test_only_the_cp_sizes_stock_in_seq_split_serves_start(tp, dp, refused, tiny_nsa_model, monkeypatch):
+    """CP3 and CP5 crashed stock SGLang's first prefill on an H200 (flag off too), CP2/4/8 served;
+    CP6 and CP7 are refused from the code (DeepEP over all --tp-size ranks: 2, 4 or 8). The
+    attention CP size is --tp-size / --dp-size, and --tp-size is DeepEP's width: both must fit."""
+    server_args = _build(tiny_nsa_model, {"tp_size": tp, "dp_size": dp}, {}, {}, monkeypatch)
+    cp_size = tp // dp
+    assert server_args.attn_cp_size == cp_size and server_args.ep_size == tp
+    problems = configuration_problems(server_args)
+    if not refused:
+        assert problems == []
+        server_args.check_server_args()
+        return
+    dp_option = f" --dp-size {dp}" if dp > 1 else ""
+    (problem,) = problems
+    assert problem.startswith(f"--tp-size {tp}{dp_option} (attention CP size {cp_size}): SGLang 0.5.12.post1's "
+                              "in-seq-split NSA prefill CP serves CP sizes 2, 4 and 8 only"), problem
+    assert "CUDA error: an illegal memory access" in problem and "DeepEP" in problem, problem
+    assert "use --tp-size 2, 4 or 8" in problem, problem
+    with pytest.raises(CpSharedKVConfigError, match=rf"--tp-size {tp}{dp_option} \(attention CP size {cp_size}\)"):
+        server_args.check_server_args()
+    stock = _build(tiny_nsa_model, {"tp_size": tp, "dp_size": dp, "enable_nsa_prefill_cp_shared_kv": False}, {}, {},
+                   monkeypatch)
+    stock.check_server_args()  # flag off: stock SGLang starts it (and crashes at the first prompt)
 
 
 def test_flag_off_never_validates(tiny_nsa_model, monkeypatch):
