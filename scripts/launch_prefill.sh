@@ -3,12 +3,12 @@
 # Mooncake). Prints the exact command (with its environment) before running it.
 #
 #   scripts/launch_prefill.sh --model deepseek-ai/DeepSeek-V3.2 --cp-size 8
-#   scripts/launch_prefill.sh --model zai-org/GLM-5-FP8 --cp-size 16 --nnodes 2 --node-rank 0 \
-#       --dist-init-addr 10.0.0.1:5000 --ib-device mlx5_0,mlx5_1 --kv-cache-dtype fp8_e4m3
+#   scripts/launch_prefill.sh --model zai-org/GLM-5-FP8 --cp-size 8 --ib-device mlx5_0,mlx5_1 \
+#       --kv-cache-dtype fp8_e4m3
 #
 # Options (defaults in brackets):
 #   --model PATH            model path or Hugging Face id (required)
-#   --cp-size N             prefill CP size = --tp-size over all nodes (required, >= 2)
+#   --cp-size N             prefill CP size = --tp-size (required: 2, 4 or 8, all SGLang's in-seq split serves)
 #   --host H [0.0.0.0]      HTTP host;  --port P [30000] HTTP port
 #   --bootstrap-port P [8998]  Mooncake bootstrap port (decode and the router use it)
 #   --nnodes N [1] --node-rank R [0] --dist-init-addr HOST:PORT (required when nnodes > 1)
@@ -39,7 +39,11 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$model" ] || { echo "launch_prefill: --model is required" >&2; exit 2; }
 case "$cp_size" in ''|*[!0-9]*) echo "launch_prefill: --cp-size N (an integer >= 2) is required" >&2; exit 2 ;; esac
-[ "$cp_size" -ge 2 ] || { echo "launch_prefill: --cp-size must be >= 2 (one rank has nothing to shard)" >&2; exit 2; }
+case "$cp_size" in
+  2|4|8) ;;
+  *) echo "launch_prefill: --cp-size must be 2, 4 or 8 (one rank has nothing to shard; SGLang 0.5.12.post1's" \
+       "in-seq-split CP serves no other size and at most 8 ranks: docs/troubleshooting.md)" >&2; exit 2 ;;
+esac
 check_nodes launch_prefill
 
 cmd=("${PYTHON:-python3}" -m sglang.launch_server --model-path "$model" --trust-remote-code
