@@ -21,8 +21,11 @@ so every full chunk is stored where it is computed and every shorter one gathere
 short), a prompt sharing the 3K prompt's first 2,048 tokens (a radix hit; logprobs of its
 new tokens), and ``over_rank_pool``, (2N - 1) / 2 x POOL tokens: more than one rank's
 physical pool (flag off, off_b must refuse it), less than N of them (flag on must serve
-it). The flag-on servers run with SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD=1: they need
-no decode server for this.
+it). Then prompts of arbitrary length (UNEVEN_PROMPTS), whose chunks SGLang pads with rows
+of its own to split them over the CP ranks: 1,500 and 1,501 tokens, 4,109 (a last chunk of
+13 tokens), a prompt sharing the 4,109-token prompt's first 2,000 tokens (a radix prefix
+that ends mid-page), 4,097 (a last chunk of one token) and 5,003. The flag-on servers run
+with SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD=1: they need no decode server for this.
 
 Pass (``verdict``, ``capacity_checks``): positions that see <= index_topk keys are
 bit-identical on and off (top-k keeps every key there); beyond, the flag-on run's mean
@@ -91,16 +94,33 @@ RUNS_WITHOUT_CP = ("off_a", "off_b")  # --tp 1: one GPU, no CP, so no flag
 PORTS_PER_RUN = 10  # a run's HTTP port is --port + PORTS_PER_RUN x its place in RUNS; NCCL's + 5
 
 
+PAGE = 64  # --page-size
 #: the radix-hit prompt's prefix: the 3K prompt's first chunk, cached by the prefill before it
 RADIX_PREFIX = CHUNK
-#: NOTE: every chunk of every prompt is a multiple of 2 x 8 tokens (1,504; 2,048 + 960;
-#: 2,048 + 1,008 after the prefix; 2,048 x 2 + 1,920): SGLang's in-seq split then gives every
-#: CP rank the same number of rows up to CP8. With a remainder it does not -- a 1,500-token
-#: prompt leaves CP ranks 0-3 of 8 one row short of the others -- and such a prompt stopped
-#: CP8 servers, flag off as well, with a device-side index assert (one H200, 2026-12-03:
-#: docs/design.md, scripts/repro_cp_uneven_split.py). Every chunk shorter than CHUNK still
-#: takes the gathered path.
+#: NOTE: every chunk of the prompts before UNEVEN_PROMPTS is a multiple of 2 x 8 tokens (1,504;
+#: 2,048 + 960; 2,048 + 1,008 after the prefix; 2,048 x 2 + 1,920): SGLang's in-seq split
+#: cuts each into 2N equal segments, with no row of padding, up to CP8. Every chunk shorter
+#: than CHUNK takes the gathered path.
 SPLIT_MULTIPLE = 16
+#: prompts whose chunks are no multiple of 2N: SGLang pads a chunk to a multiple of N
+#: (``ForwardBatch.prepare_mlp_sync_batch``) before its in-seq split, and its indexer passes
+#: the padding rows' top-k calls lengths past the request's page table. The deterministic
+#: top-k stand-in indexed past it and stopped a CP8 server on a 1,500-token prompt (one
+#: H200, 2026-12-04: docs/design.md, scripts/repro_cp_uneven_split.py); stock top-k reads on
+#: in memory and SGLang drops those rows. The stand-in now reads what the kernel reads
+#: (testing/stable_topk.py), and these prompts keep it so: each is answered bit for bit
+#: like the others. Posted after them, in this order (the radix prompt right after the
+#: prompt it shares).
+UNEVEN_PROMPTS = ("1.5k_uneven_1500", "1.5k_uneven_1501", "4k_last_chunk_13", "radix_mid_page",
+                  "4k_last_chunk_1", "5k_uneven_907")
+#: the mid-page radix prompt shares this many tokens with 4k_last_chunk_13: 31 pages and 16
+#: tokens. SGLang's radix cache matches whole pages (``RadixKey.page_aligned``) and chunks
+#: at page multiples, so its cache hit is the 31 pages and its extend starts with the 16
+#: shared tokens of the 32nd page; its logprobs run from the hit on
+MID_PAGE_SHARED = 2000
+MID_PAGE_HIT = MID_PAGE_SHARED // PAGE * PAGE
+#: prompt: the tokens it must find cached (``radix_checks``)
+RADIX_HITS = {"radix_hit_3k_prefix": RADIX_PREFIX, "radix_mid_page": MID_PAGE_HIT}
 
 
 def over_rank_pool_tokens(cp_size: int) -> int:
@@ -117,12 +137,21 @@ def prompts(cp_size: int):
         return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
 
     p3k = tokens(2, 3008)
-    return {  # NOTE: in the order they are posted: the radix hit right after the prompt it shares
+    p4k = tokens(8, 2 * CHUNK + 13)
+    return {  # NOTE: in the order they are posted: a radix hit right after the prompt it shares
         "1.5k_single_chunk": (tokens(1, 1504), 0),
         "3k_chunked": (p3k, 0),
         "radix_hit_3k_prefix": (p3k[:RADIX_PREFIX] + tokens(4, 1008), RADIX_PREFIX),
         "6k_chunked": (tokens(3, 6016), 0),
         "over_rank_pool": (tokens(5, over_rank_pool_tokens(cp_size)), 0),
+        # UNEVEN_PROMPTS: SGLang's padding rows per chunk at CP2 / CP4 / CP8 in the comments
+        "1.5k_uneven_1500": (tokens(6, 1500), 0),  # 0 / 0 / 4: the chunk that stopped the stand-in
+        "1.5k_uneven_1501": (tokens(7, 1501), 0),  # 1 / 3 / 3
+        "4k_last_chunk_13": (p4k, 0),  # 2,048 x 2 + 13: 1 / 3 / 3, at CP8 one row per segment
+        # 1,984 cached (31 pages), then 16 shared tokens and 1,003 new: a 1,019-token chunk, 1 / 1 / 5
+        "radix_mid_page": (p4k[:MID_PAGE_SHARED] + tokens(9, 1003), MID_PAGE_HIT),
+        "4k_last_chunk_1": (tokens(10, 2 * CHUNK + 1), 0),  # a last chunk too short to split at any N
+        "5k_uneven_907": (tokens(11, 2 * CHUNK + 907), 0),  # 1 / 1 / 5, rows over index_topk keys among them
     }
 
 
@@ -252,11 +281,11 @@ def capacity_checks(runs, cp_size):
 
 
 def radix_checks(runs):
-    """The radix-hit prompt found its prefix in every run's cache (else it is one more fresh
-    prompt, and the path a prefix takes goes unchecked)."""
-    return {f"{name}: radix_hit_3k_prefix found its {RADIX_PREFIX} tokens cached":
-            (run.get("cached_tokens", {}).get("radix_hit_3k_prefix") or 0) >= RADIX_PREFIX
-            for name, run in runs.items()}
+    """Each radix-hit prompt (RADIX_HITS) found its prefix in every run's cache (else it is
+    one more fresh prompt, and the path a prefix takes goes unchecked)."""
+    return {f"{name}: {prompt} found its {cached} tokens cached":
+            (run.get("cached_tokens", {}).get(prompt) or 0) >= cached
+            for name, run in runs.items() for prompt, cached in RADIX_HITS.items()}
 
 
 def one_run(name, model, requests, args, log_path):

@@ -222,7 +222,8 @@ def test_logprob_runs_check_capacity_at_every_cp_size():
     assert e2e.over_rank_pool_tokens(4) >= 3 * e2e.POOL and e2e.over_rank_pool_tokens(8) >= 7 * e2e.POOL
     assert e2e.CHUNK % (2 * 8 * 64) == 0  # full chunks are stored where computed up to CP8
     pd = load_script("e2e_pd_gpu")
-    prompts = [(ids, start) for n in (2, 4, 8) for ids, start in e2e.prompts(n).values()]
+    prompts = [(ids, start) for n in (2, 4, 8) for name, (ids, start) in e2e.prompts(n).items()
+               if name not in e2e.UNEVEN_PROMPTS]  # (test_logprob_runs_cover_chunks_sglang_pads)
     prompts += [(ids, pd.RADIX_PREFIX if name == "radix_hit" else 0) for name, ids in pd.prompts().items()]
     prompts += [(ids, 0) for ids in pd.small_decode_prompts().values()]
     for ids, start in prompts:  # every chunk splits evenly over the CP ranks up to CP8
@@ -252,6 +253,68 @@ def test_logprob_runs_check_capacity_at_every_cp_size():
         del bad["on"]["write_paths"][f'{{cp_rank="{n - 1}",index="gathered",mla="gathered"}}']
         assert not all(e2e.capacity_checks(bad, n).values())
         assert e2e.write_paths_by_rank(samples)[n - 1] == {"local": 30, "gathered": 5, "mla_local": 30}
+
+
+def _chunks(ids, start, chunk):
+    """(cached tokens before it, tokens) of each chunk SGLang prefills after a cache hit of
+    ``start`` tokens (--chunked-prefill-size ``chunk``, a multiple of the page)."""
+    return [(at, min(chunk, len(ids) - at)) for at in range(start, len(ids), chunk)]
+
+
+def test_logprob_runs_cover_chunks_sglang_pads():
+    """e2e_cp_logprobs's UNEVEN_PROMPTS, after the original prompts (unchanged): chunks of no
+    multiple of 16 tokens that SGLang 0.5.12.post1 pads with rows of its own at CP2, CP4
+    and CP8 (its padding, split and indexer code: ``stable_topk.in_seq_split_topk_calls``,
+    the padding rows being those whose top-k lengths run past the request's tokens), the
+    1,500-token chunk of the CP8 repro, last chunks of 13 tokens and of 1 (too short to
+    split), and a radix prefix that ends mid-page, posted right after the prompt it shares,
+    whose cache hit the run checks."""
+    import torch
+
+    from sglang_cp_shared_kv.testing.stable_topk import STAND_INS, in_seq_split_topk_calls
+    from sglang_cp_shared_kv.testing.support import load_script
+
+    e2e = load_script("e2e_cp_logprobs")
+
+    def shapes_only(score, *args, **kwargs):  # what the kernel is handed is the point, not its answer
+        return torch.full((score.shape[0], e2e.INDEX_TOPK), -1, dtype=torch.int32)
+
+    for n in (2, 4, 8):
+        prompts = e2e.prompts(n)
+        original = {name: (len(ids), start) for name, (ids, start) in list(prompts.items())[:5]}
+        assert original == {"1.5k_single_chunk": (1504, 0), "3k_chunked": (3008, 0),
+                            "radix_hit_3k_prefix": (3056, e2e.RADIX_PREFIX), "6k_chunked": (6016, 0),
+                            "over_rank_pool": (e2e.over_rank_pool_tokens(n), 0)}
+        assert tuple(prompts)[5:] == e2e.UNEVEN_PROMPTS
+        padded = {}
+        for name in e2e.UNEVEN_PROMPTS:
+            ids, start = prompts[name]
+            chunks = _chunks(ids, start, e2e.CHUNK)
+            assert any(tokens % e2e.SPLIT_MULTIPLE for _, tokens in chunks), name
+            for prefix, tokens in chunks:
+                calls = in_seq_split_topk_calls(tokens, prefix, n, dict.fromkeys(STAND_INS, shapes_only))
+                rows = sum(int((c.arguments["lengths"] > c.sequence_len).sum()) for c in calls)
+                assert rows == (-tokens % n if calls else 0), (name, prefix, tokens)
+                padded[name] = padded.get(name, 0) + rows
+        assert padded == {"1.5k_uneven_1500": 4 if n == 8 else 0, "1.5k_uneven_1501": {2: 1, 4: 3, 8: 3}[n],
+                          "4k_last_chunk_13": {2: 1, 4: 3, 8: 3}[n], "radix_mid_page": {2: 1, 4: 1, 8: 5}[n],
+                          "4k_last_chunk_1": 0, "5k_uneven_907": {2: 1, 4: 1, 8: 5}[n]}, n
+        last_chunks = {name: _chunks(*prompts[name], e2e.CHUNK)[-1] for name in ("4k_last_chunk_13", "4k_last_chunk_1")}
+        assert last_chunks == {"4k_last_chunk_13": (2 * e2e.CHUNK, 13), "4k_last_chunk_1": (2 * e2e.CHUNK, 1)}
+        assert in_seq_split_topk_calls(1, 2 * e2e.CHUNK, n, dict.fromkeys(STAND_INS, shapes_only)) == []
+        # the radix prompts: posted right after the prompt they share (no flush between), start = the hit
+        order = list(prompts)
+        for name, source in (("radix_hit_3k_prefix", "3k_chunked"), ("radix_mid_page", "4k_last_chunk_13")):
+            assert order.index(name) == order.index(source) + 1
+            ids, start = prompts[name]
+            shared = next(i for i, (a, b) in enumerate(zip(ids, prompts[source][0] + [None])) if a != b)
+            assert start == e2e.RADIX_HITS[name] == shared // e2e.PAGE * e2e.PAGE
+        assert e2e.MID_PAGE_SHARED % e2e.PAGE and prompts["radix_mid_page"][1] == e2e.MID_PAGE_HIT == 1984
+        assert all(start == 0 for name, (_, start) in prompts.items() if name not in e2e.RADIX_HITS)
+    hits = {"cached_tokens": {"radix_hit_3k_prefix": e2e.RADIX_PREFIX, "radix_mid_page": e2e.MID_PAGE_HIT}}
+    assert all(e2e.radix_checks({"on": hits}).values()) and len(e2e.radix_checks({"on": hits})) == 2
+    short = {"cached_tokens": {**hits["cached_tokens"], "radix_mid_page": e2e.MID_PAGE_HIT - e2e.PAGE}}
+    assert not e2e.radix_checks({"on": short})["on: radix_mid_page found its 1984 tokens cached"]
 
 
 def json_copy(value):

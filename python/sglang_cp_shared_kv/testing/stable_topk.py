@@ -13,20 +13,59 @@ than 16,384 candidates is clipped in whatever order they arrived.)
 This module selects the same keys deterministically and returns them in key order:
 
     row i, length L_i, start s_i:
-      L_i <= topk:  [0, 1, ..., L_i - 1, -1, ...]               (the kernel's own fast path)
+      L_i <= topk:  [0, 1, ..., L_i - 1, -1, ...]               (the kernel's own fast path;
+                                                                 L_i <= 0: all -1)
       L_i >  topk:  the topk indices j in [0, L_i) of the largest score[i, s_i + j],
                     ties broken by the smaller j, sorted ascending; -1 padding never occurs
 
 then applies the kernel's transform (none; page table of the row's request; ragged
-offset). Apart from the order and the tie rule it selects what the kernel selects (the
+offset), where a negative L_i keeps every position [0, topk) as the kernel's transforms
+do (see below). Apart from the order and the tie rule it selects what the kernel selects (the
 GPU test compares the sets). The functions have ``sgl_kernel``'s signatures;
 ``scripts/e2e/sitecustomize.py`` installs them for a server started with
 ``CPSKV_E2E_STABLE_TOPK=1``. Slow (a full sort per row): for comparison runs only.
+
+The kernel's contract on every row it accepts (``sgl-kernel/csrc/elementwise/topk.cu`` of
+sglang-kernel 0.4.2.post2; its host checks are in the installed ``common_ops`` library):
+
+* shapes: ``score`` (B, W) with unit column stride; ``lengths``, ``row_starts`` and the
+  ragged offsets (B,); a (B, topk) int32 result; the paged transform's table has one row
+  per request of ``cu_seqlens_q`` (``prefill_bs = len(cu_seqlens_q) - 1 <= B``). Anything
+  else is refused (RuntimeError "Expected ... to be true"); so is it here.
+* no bound is checked on a row: the kernel reads score j of row i at ``score``'s data
+  pointer + i x its row stride + ``row_starts[i]`` + j, and page-table entry j of request
+  b at the table's pointer + b x its row stride + j, whatever W or the table's width.
+  SGLang's in-seq split makes such calls: it pads a chunk to a multiple of the CP size
+  (``ForwardBatch.prepare_mlp_sync_batch``: padding rows at out_cache_loc 0, whose outputs
+  SGLang leaves unused), and the padding rows' top-k calls
+  (``Indexer._get_topk_ragged_with_cp``) get lengths up to prefix + padded chunk, past the
+  request's page table (prefix + chunk columns: a copy of its ``req_to_token`` row); the
+  kernel returns entries read past the table for them. (The stand-in once indexed the
+  table there: a CP8 server with it died on a 1,500-token prompt.) The stand-in reads the
+  same memory wherever it belongs to the tensor's storage (a view's hidden columns, the
+  next row) and writes -1 for a page entry (-inf for a score) beyond it, where the kernel
+  reads memory the tensor does not own (no defined value).
+* the paged kernel: with no row starts and one request per row (``prefill_bs == B``) row i
+  is request i (decode); otherwise row i is the request b with ``cu_seqlens_q[b] <= i <
+  cu_seqlens_q[b + 1]`` (SGLang's ``cu_seqlens_q`` is non-decreasing and covers every
+  row). A row of no request gets -1 where its length is 0 (the kernel reads no table
+  entry); otherwise the kernel reads through a shared pointer it never set, undefined (on
+  an H200 such rows of negative length faulted with an illegal memory access,
+  2026-12-04), and the stand-in gives it -1.
+* -1 stays -1 through both transforms.
+* a negative length: ``L <= topk`` is compared signed, so the fast path; there
+  ``fast_topk_v2`` compares ``i < L`` with a signed i (all -1), but both transforms loop
+  with ``auto i = threadIdx.x`` (unsigned), so L converts to 2^32 + L and every position
+  i in [0, topk) is kept: table entries 0 .. topk - 1 of the request, or i + offset
+  (seen on an H200, 2026-12-04). SGLang passes no negative length.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -34,12 +73,44 @@ import torch
 _SORT_ELEMENTS = 1 << 26
 
 
+def _require(condition: bool, check: str) -> None:
+    """topk.cu's ``TORCH_CHECK(check)``, with its message."""
+    if not condition:
+        raise RuntimeError(f"Expected {check} to be true, but got false.")
+
+
+def _storage(t: torch.Tensor):
+    """(``t``'s whole storage as a flat tensor, its element count): the memory the kernel can
+    read through ``t``'s data pointer and strides."""
+    count = t.untyped_storage().nbytes() // t.element_size()
+    return t.as_strided((count,), (1,), 0), count
+
+
+def _read(t: torch.Tensor, positions: torch.Tensor, wanted: torch.Tensor, missing):
+    """``t``'s storage at ``positions`` where ``wanted`` and inside it; ``missing`` elsewhere."""
+    flat, count = _storage(t)
+    inside = wanted & (positions >= 0) & (positions < count)
+    if count == 0:
+        return torch.full(positions.shape, missing, dtype=t.dtype, device=t.device)
+    return torch.where(inside, flat[positions.clamp(0, count - 1)], missing)
+
+
+def _check_rows(score: torch.Tensor, lengths: torch.Tensor, row_starts: Optional[torch.Tensor]) -> None:
+    """topk.cu ``get_params``: the row arguments of every kernel."""
+    _require(score.dim() == 2 and score.stride(1) == 1, "score.dim() == 2 && score.stride(1) == 1")
+    if row_starts is not None:
+        _require(row_starts.dim() == 1, "row_starts.dim() == 1")
+        _require(row_starts.shape[0] == score.shape[0], "row_starts.size(0) == B")
+    _require(lengths.dim() == 1, "lengths.dim() == 1 && lengths.is_contiguous()")
+    _require(lengths.shape[0] == score.shape[0], "lengths.size(0) == B")
+
+
 def stable_topk_indices(score: torch.Tensor, lengths: torch.Tensor, topk: int,
                         row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B, topk) int32: per row, the indices relative to the row's start (see the module
-    docstring), -1 where the row has fewer than ``topk`` keys."""
-    if score.dim() != 2:
-        raise ValueError(f"score must be 2-D (rows, keys), got shape {tuple(score.shape)}")
+    docstring), -1 where the row has fewer than ``topk`` keys. A long row's window is read
+    as the kernel reads it: from the row's start on in ``score``'s storage, past W too."""
+    _check_rows(score, lengths, row_starts)
     rows = score.shape[0]
     device = score.device
     lengths = lengths.to(device=device, dtype=torch.int64)
@@ -57,15 +128,25 @@ def stable_topk_indices(score: torch.Tensor, lengths: torch.Tensor, topk: int,
     columns = torch.arange(width, device=device)
     for first in range(0, long_rows.numel(), block):
         sel = long_rows[first:first + block]
-        valid = columns < lengths[sel, None]
-        where = (starts[sel, None] + columns).clamp_(max=score.shape[1] - 1)
-        values = torch.where(valid, score[sel[:, None], where].float(), float("-inf"))
-        # NOTE: a stable descending sort keeps equal scores in index order; invalid columns
-        # (-inf, after every valid column) can only be taken by a row of -inf scores, and
-        # then behind every valid one
+        at = score.storage_offset() + sel[:, None] * score.stride(0) + starts[sel, None] + columns
+        values = _read(score, at, columns < lengths[sel, None], float("-inf")).float()
+        # NOTE: a stable descending sort keeps equal scores in index order; columns past the
+        # row's length (-inf, after every column inside it) are never taken: a long row has
+        # more than topk columns inside its length, -inf ones (a read past the storage) included
         order = torch.sort(values, dim=1, descending=True, stable=True).indices[:, :topk]
         out[sel] = torch.sort(order, dim=1).values.to(torch.int32)
     return out
+
+
+def _transform_positions(score: torch.Tensor, lengths: torch.Tensor, topk: int,
+                         row_starts: Optional[torch.Tensor]) -> torch.Tensor:
+    """The positions the transforms map: :func:`stable_topk_indices`, but every position
+    [0, topk) on a row of negative length (the transforms' fast path compares ``i < L``
+    with an unsigned i: module docstring)."""
+    idx = stable_topk_indices(score, lengths, topk, row_starts)
+    negative = lengths.to(device=score.device)[:, None] < 0
+    every = torch.arange(topk, device=score.device, dtype=torch.int32)
+    return torch.where(negative, every, idx)
 
 
 def fast_topk_v2(score: torch.Tensor, lengths: torch.Tensor, topk: int,
@@ -77,27 +158,41 @@ def fast_topk_v2(score: torch.Tensor, lengths: torch.Tensor, topk: int,
 def fast_topk_transform_fused(score: torch.Tensor, lengths: torch.Tensor, page_table_size_1: torch.Tensor,
                               cu_seqlens_q: torch.Tensor, topk: int,
                               row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``sgl_kernel.fast_topk_transform_fused``: index j of row i becomes
-    ``page_table_size_1[b, j]``, b the request of row i: ``cu_seqlens_q[b] <= i <
-    cu_seqlens_q[b + 1]``, or b = i for decode (no row starts, one row per request, where
-    the kernel ignores ``cu_seqlens_q``)."""
-    idx = stable_topk_indices(score, lengths, topk, row_starts)
+    """``sgl_kernel.fast_topk_transform_fused``: index j of row i becomes entry j of the
+    page-table row of request b, read as the kernel reads it (the table's storage at its
+    pointer + b x its row stride + j, j past the table's width too; -1 beyond the storage):
+    b the request of row i, ``cu_seqlens_q[b] <= i < cu_seqlens_q[b + 1]``, or b = i for
+    decode (no row starts, one row per request, where the kernel ignores
+    ``cu_seqlens_q``). A row of no request gets -1; a row of negative length entries
+    0 .. topk - 1."""
+    _check_rows(score, lengths, row_starts)
+    _require(page_table_size_1.dim() == 2 and page_table_size_1.stride(1) == 1,
+             "src_page_table.dim() == 2 && src_page_table.stride(1) == 1")
+    _require(cu_seqlens_q.dim() == 1, "cu_seqlens_q.dim() == 1 && cu_seqlens_q.is_contiguous()")
+    requests = cu_seqlens_q.shape[0] - 1
+    _require(page_table_size_1.shape[0] == requests, "src_page_table.size(0) == prefill_bs")
+    _require(requests <= score.shape[0], "prefill_bs <= B")
+    idx = _transform_positions(score, lengths, topk, row_starts)
     rows = torch.arange(score.shape[0], device=score.device)
-    if row_starts is None and cu_seqlens_q.shape[0] - 1 == score.shape[0]:
-        request = rows
+    if row_starts is None and requests == score.shape[0]:
+        request, has_request = rows, torch.ones_like(rows, dtype=torch.bool)
     else:
-        request = torch.searchsorted(cu_seqlens_q[1:].to(device=score.device, dtype=torch.int64), rows,
-                                     right=True)
+        cu = cu_seqlens_q.to(device=score.device, dtype=torch.int64)
+        request = torch.searchsorted(cu[1:], rows, right=True)  # the first b with i < cu[b + 1]
+        has_request = (request < requests) & (cu[request.clamp(max=max(requests - 1, 0))] <= rows)
     table = page_table_size_1.to(score.device)
-    picked = table[request[:, None], idx.clamp(min=0).long()]
-    return torch.where(idx >= 0, picked, -1).to(torch.int32)
+    at = table.storage_offset() + request[:, None] * table.stride(0) + idx.long()
+    return _read(table, at, (idx >= 0) & has_request[:, None], -1).to(torch.int32)
 
 
 def fast_topk_transform_ragged_fused(score: torch.Tensor, lengths: torch.Tensor, topk_indices_offset: torch.Tensor,
                                      topk: int, row_starts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sgl_kernel.fast_topk_transform_ragged_fused``: index j of row i becomes
-    ``j + topk_indices_offset[i]``."""
-    idx = stable_topk_indices(score, lengths, topk, row_starts)
+    ``j + topk_indices_offset[i]`` (every j in [0, topk) on a row of negative length)."""
+    _check_rows(score, lengths, row_starts)
+    _require(topk_indices_offset.dim() == 1, "topk_indices_offset.dim() == 1")
+    _require(topk_indices_offset.shape[0] == score.shape[0], "topk_indices_offset.size(0) == B")
+    idx = _transform_positions(score, lengths, topk, row_starts)
     offset = topk_indices_offset.to(device=score.device, dtype=torch.int32)[:, None]
     return torch.where(idx >= 0, idx + offset, -1).to(torch.int32)
 
@@ -109,5 +204,188 @@ STAND_INS = {
     "fast_topk_transform_ragged_fused": fast_topk_transform_ragged_fused,
 }
 
+
+# --- the top-k calls of SGLang 0.5.12.post1's in-seq-split NSA prefill (for the tests) -------------
+
+
+@dataclass
+class TopkCall:
+    """One call SGLang made to an ``sgl_kernel`` top-k function, as it made it."""
+
+    rank: int  #: the CP rank
+    half: str  #: "prev" or "next": the rank's first or second zigzag segment
+    kernel: str  #: the sgl_kernel name called (a key of :data:`STAND_INS`)
+    arguments: Dict[str, Any]  #: every argument by name, as the kernel received it
+    result: torch.Tensor  #: what the kernel passed in returned
+    sequence_len: int  #: prefix + chunk tokens: a row whose length exceeds it is one of SGLang's padding rows
+
+
+class _TorchOn:
+    """``torch`` as an SGLang module sees it, with its ``device="cuda"`` tensors made on
+    ``device`` (``cp_utils`` and ``nsa_indexer`` build their length tensors on "cuda"; one of
+    them then moves with ``.to(device="cuda")``, which the tensor's own class answers)."""
+
+    def __init__(self, device):
+        self._device = torch.device(device)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def _on(self, kwargs):
+        return {**kwargs, "device": self._device} if "device" in kwargs else kwargs
+
+    def full(self, *args, **kwargs):
+        return torch.full(*args, **self._on(kwargs))
+
+    def arange(self, *args, **kwargs):
+        return torch.arange(*args, **self._on(kwargs))
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._on(kwargs)).as_subclass(_MovesTo).with_device(self._device)
+
+
+class _MovesTo(torch.Tensor):
+    """A tensor whose ``.to(device="cuda")`` goes to the device :class:`_TorchOn` stands for."""
+
+    def with_device(self, device):
+        self._target = device
+        return self
+
+    def to(self, *args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = getattr(self, "_target", kwargs["device"])
+        return torch.Tensor.to(self.as_subclass(torch.Tensor), *args, **kwargs)
+
+
+_ABSENT = object()
+
+
+def _restore(module, name, value):
+    if value is _ABSENT:
+        delattr(module, name)
+    else:
+        setattr(module, name, value)
+
+
+def in_seq_split_topk_calls(chunk_len: int, prefix_len: int, cp_size: int, kernels: Dict[str, Any], *,
+                            paged: bool = True, fused: bool = True, topk: int = 2048, device="cpu",
+                            tied_scores: bool = False, seed: int = 0) -> List[TopkCall]:
+    """Every call SGLang 0.5.12.post1 makes to the NSA top-k kernels for one chunk of
+    ``chunk_len`` tokens after ``prefix_len`` cached ones, in-seq-split over ``cp_size``
+    ranks, with ``kernels`` (sgl_kernel name -> function) as ``sgl_kernel``; [] where SGLang
+    does not split the chunk (``can_nsa_cp_split``).
+
+    SGLang's own code makes the calls: the chunk is padded to a multiple of the CP size
+    (``nsa.utils.cal_padded_tokens``, the arithmetic of ``ForwardBatch.prepare_mlp_sync_batch``),
+    split (``cp_utils.prepare_context_parallel_metadata``), cut in halves as
+    ``Indexer.forward_cuda``'s in-seq branch cuts them, and each half goes through the real
+    ``Indexer._get_topk_ragged_with_cp`` and ``NSAIndexerMetadata.topk_transform``. Stood in
+    for: the index-key pool (zeros), DeepGEMM's ``fp8_mqa_logits`` (random scores of the
+    shape it returns, after its shape checks), the server's flags (in-seq split on), and
+    the page table, built as ``NativeSparseAttnBackend.init_forward_metadata`` builds it (a
+    copy of the request's ``req_to_token`` row, ``prefix_len + chunk_len`` wide). ``paged``:
+    the PAGED transform (bf16 KV) or RAGGED (fp8 KV with flashmla_sparse); ``fused=False``:
+    ``fast_topk_v2`` (SGLANG_NSA_FUSE_TOPK off)."""
+    import sys
+    import types
+
+    from sglang.srt.layers import dp_attention
+    from sglang.srt.layers.attention.nsa import nsa_indexer
+    from sglang.srt.layers.attention.nsa import utils as nsa_utils
+    from sglang.srt.layers.attention.nsa_backend import NSAIndexerMetadata, TopkTransformMethod
+    from sglang.srt.layers.utils import cp_utils
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sglang_cp_shared_kv.scoped import attributes_set
+
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sequence_len = prefix_len + chunk_len
+    calls: List[TopkCall] = []
+    where = {}
+
+    def recording(name, function):
+        signature = inspect.signature(STAND_INS[name])
+
+        def record(*args, **kwargs):
+            result = function(*args, **kwargs)
+            arguments = signature.bind(*args, **kwargs).arguments
+            calls.append(TopkCall(where["rank"], where["half"], name, dict(arguments), result, sequence_len))
+            return result
+
+        return record
+
+    def fp8_mqa_logits(q, kv, weights, ks, ke, clean_logits=False):
+        # DeepGEMM's host checks (deep_gemm/_C.so: "cu_seq_len_k_start.size(0) == seq_len", ...)
+        rows = q.shape[0]
+        assert weights.shape[0] == rows and ks.shape[0] == rows and ke.shape[0] == rows
+        shape = (rows, kv[0].shape[0])
+        if tied_scores:  # 7 values: every long row has ties at its threshold
+            return torch.randint(0, 7, shape, generator=generator, device=device).float() / 4
+        return torch.randn(shape, generator=generator, device=device)
+
+    def index_k(layer_id, kv_len, block_table):
+        return torch.zeros(kv_len, 128, dtype=torch.uint8, device=device)
+
+    def index_k_scale(layer_id, kv_len, block_table):
+        return torch.zeros(kv_len, 4, dtype=torch.uint8, device=device)
+
+    pool = types.SimpleNamespace(page_size=64, get_index_k_continuous=index_k,
+                                 get_index_k_scale_continuous=index_k_scale)
+    batch = types.SimpleNamespace(forward_mode=ForwardMode.EXTEND, token_to_kv_pool=pool,
+                                  seq_lens_cpu=torch.tensor([sequence_len]), extend_seq_lens_cpu=[chunk_len],
+                                  global_num_tokens_cpu=[chunk_len], is_extend_in_batch=True)
+    # the request's req_to_token row runs on past its tokens; init_forward_metadata copies the first
+    # sequence_len columns (req_to_token[req_pool_indices, :max_seqlen_k], a new tensor)
+    req_to_token = torch.randperm(4 * (sequence_len + 256), generator=generator, device=device)
+    req_to_token = req_to_token.to(torch.int32).view(4, -1)
+    page_table_1 = req_to_token[torch.tensor([1], device=device), :sequence_len]
+    attn_metadata = types.SimpleNamespace(page_table_1=page_table_1, real_page_table=page_table_1[:, ::64] // 64,
+                                          cu_seqlens_q=None, topk_indices_offset=None, nsa_seqlens_expanded=None)
+    metadata = NSAIndexerMetadata(attn_metadata=attn_metadata, force_unfused_topk=not fused,
+                                  topk_transform_method=TopkTransformMethod.PAGED if paged
+                                  else TopkTransformMethod.RAGGED)
+    indexer = types.SimpleNamespace(index_topk=topk, _with_real_sm_count=contextlib.nullcontext)
+    fake_sgl_kernel = types.ModuleType("sgl_kernel")
+    for name, function in kernels.items():
+        setattr(fake_sgl_kernel, name, recording(name, function))
+    on_device = {"torch": _TorchOn(device)} if device.type != "cuda" else {}
+    flags = dict(is_nsa_prefill_cp_round_robin_split=lambda: False, is_nsa_enable_prefill_cp=lambda: True,
+                 can_nsa_prefill_cp_round_robin_split=lambda forward_batch: False,
+                 get_attention_cp_size=lambda: cp_size)
+    saved_sgl_kernel = sys.modules.get("sgl_kernel")
+    sys.modules["sgl_kernel"] = fake_sgl_kernel
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(attributes_set(nsa_utils, **flags))
+            stack.enter_context(attributes_set(dp_attention, get_attention_dp_size=lambda: 1))
+            stack.enter_context(attributes_set(cp_utils, **on_device))
+            stack.enter_context(attributes_set(nsa_indexer, **on_device))
+            # NOTE: nsa_indexer imports deep_gemm only where CUDA is (no attribute on a CPU machine)
+            saved_deep_gemm = nsa_indexer.__dict__.get("deep_gemm", _ABSENT)
+            nsa_indexer.deep_gemm = types.SimpleNamespace(fp8_mqa_logits=fp8_mqa_logits)
+            stack.callback(_restore, nsa_indexer, "deep_gemm", saved_deep_gemm)
+            rows_padded = nsa_utils.cal_padded_tokens(batch)
+            if not nsa_utils.can_nsa_cp_split(rows_padded, cp_size, True, batch):
+                return []
+            for rank in range(cp_size):
+                split = cp_utils.prepare_context_parallel_metadata(rows_padded, rank, cp_size, [sequence_len])
+                rows = split.per_rank_actual_token[rank]
+                # Indexer.forward_cuda, in-seq branch: the rank's rows (padding included) cut in halves
+                q_prev, q_next = torch.split(torch.zeros(rows, 1, 1, device=device), (rows + 1) // 2)
+                for half, q, kv_len, actual in (("prev", q_prev, split.kv_len_prev, split.actual_seq_q_prev),
+                                                ("next", q_next, split.kv_len_next, split.actual_seq_q_next)):
+                    where.update(rank=rank, half=half)
+                    weights = torch.zeros(q.shape[0], 1, 1, device=device)
+                    nsa_indexer.Indexer._get_topk_ragged_with_cp(indexer, batch, 0, q, weights, metadata, kv_len,
+                                                                 actual)
+    finally:
+        if saved_sgl_kernel is None:
+            sys.modules.pop("sgl_kernel", None)
+        else:
+            sys.modules["sgl_kernel"] = saved_sgl_kernel
+    return calls
+
+
 __all__ = ["stable_topk_indices", "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
-           "STAND_INS"]
+           "STAND_INS", "TopkCall", "in_seq_split_topk_calls"]
