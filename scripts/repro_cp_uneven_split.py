@@ -2,17 +2,17 @@
 """Does stock SGLang 0.5.12.post1 serve a chunk that its NSA in-seq split cannot give every
 CP rank the same number of rows? Flag off, CP8, on one GPU (``--share-gpu``).
 
-Why ask: SGLang cuts a chunk of L tokens into 2N segments (``prepare_context_parallel_metadata``:
-L // 2N each, the first L % 2N one longer) and gives rank r segments r and 2N - 1 - r, but
-pads every rank to ceil(L / N) rows; the NSA indexer then splits a rank's rows in halves of
-(rows + 1) // 2 (``nsa_indexer.py``, in-seq branch) while its lengths come from the segments.
-When L % 2N is neither 0 nor N the ranks differ: at N = 8, L = 1,500 leaves ranks 0-3 with
-187 rows padded to 188, so their second half holds 94 rows for a segment of 93. The first
-CP8 server runs of ``scripts/e2e_cp_logprobs.py`` (one H200, 2026-12-03) stopped on such a
-prompt with a device-side index assert, flag off and on, all with the deterministic top-k
-stand-in. This script separates the two: one flag-off server with SGLang's own top-k, one
-with the stand-in, each posting a 1,504-token prompt (L % 16 = 0: the control) and then a
-1,500-token one; it records what each answered and whether the server survived.
+Why ask: the first CP8 server runs of ``scripts/e2e_cp_logprobs.py`` (one H200, 2026-12-03)
+stopped on a 1,500-token prompt with a device-side index assert, flag off and on, all with the
+deterministic top-k stand-in. This script separates the two: one flag-off server with SGLang's
+own top-k, one with the stand-in, each posting a 1,504-token prompt (L % 16 = 0: the control)
+and then a 1,500-token one; it records what each answered and whether the server survived.
+Answer (2026-12-04, ``docs/results/repro_cp_uneven_split_h200.json``): stock survives, the old
+stand-in did not. Why, found since: in-seq split pads the chunk to a multiple of N (1,500 ->
+1,504 rows, 188 on every rank) and the indexer asks the 4 padding rows for page-table entries
+past the request's table copy, which the stock kernel reads unchecked and the old stand-in
+indexed (``testing/stable_topk.py`` follows the kernel since; an earlier reading here, "ranks
+0-3 one row short", was wrong).
 
 Usage (one GPU, as scripts/gpu_session.sh prepares it): python scripts/repro_cp_uneven_split.py
        [--tp 8] [--out repro.json] [--workdir dir]
