@@ -63,15 +63,15 @@ FP8_IN_SEQ_SPLIT_BACKEND = "flashmla_sparse"
 _NSA_BACKEND_SIDES = ("prefill", "decode")
 # NOTE: the CP sizes stock SGLang 0.5.12.post1's in-seq-split NSA prefill CP serves (its attention
 # CP size, and --tp-size: the split sets ep_size = tp_size with DeepEP, and asserts tp_size <= 8).
-# Evidence: measured on one H200 (2026-12-04, every rank sharing it, the tiny DeepSeek-V3.2 with
-# its dense MLP, expert count and vocabulary made divisible): CP2, CP4 and CP8 serve, CP3 and CP5
-# stop at the first prompt with "CUDA error: an illegal memory access", flag off and on alike.
-# CP6 and CP7 are predicted from the code until scripts/repro_cp_sizes.py runs on a GPU: the
-# in-seq split forces --moe-a2a-backend deepep over all --tp-size ranks (server_args.py,
-# _handle_model_specific_adjustments), and DeepEP's normal (prefill) mode has configs and intranode
-# kernels for 2, 4 and 8 ranks only within one node (deep_ep Buffer.get_dispatch_config /
-# get_combine_config; csrc/kernels/launch.cuh SWITCH_RANKS): "Unsupported number of EP ranks" at the
-# first MoE layer of every DeepSeek-V3.2 / GLM-5 prefill.
+# Evidence, measured on one H200 (2026-12-04, every rank sharing it, flag off, the tiny
+# DeepSeek-V3.2 with its dense MLP, expert count and vocabulary made divisible): CP2, CP4 and CP8
+# serve; CP3 and CP5 stop at a 1,504-token prompt, CP6 and CP7 at the second chunk of a
+# 3,008-token prompt (after answering four one-chunk prompts), all with "CUDA error: an illegal
+# memory access" (docs/results/repro_cp_sizes_cp6_cp7_h200.json). And for every real
+# DeepSeek-V3.2 / GLM-5: the in-seq split forces --moe-a2a-backend deepep over all --tp-size ranks
+# (server_args.py, _handle_model_specific_adjustments), and DeepEP's normal (prefill) mode has
+# configs and intranode kernels for 2, 4 and 8 ranks only (deep_ep Buffer.get_dispatch_config /
+# get_combine_config; csrc/kernels/launch.cuh SWITCH_RANKS).
 IN_SEQ_SPLIT_CP_SIZES = (2, 4, 8)
 #: The flag value ``from_cli_args`` is building a ``ServerArgs`` for (its ``cls(**fields)``
 #: passes dataclass fields only, and ``__post_init__`` already needs the flag).
@@ -281,7 +281,7 @@ def cp_size_problem(server_args, refuse) -> None:
     dp = f" --dp-size {server_args.dp_size}" if server_args.dp_size > 1 else ""
     refuse(f"--tp-size {tp_size}{dp} (attention CP size {cp_size})",
            f"SGLang {sg.SGLANG_VERSION}'s in-seq-split NSA prefill CP serves CP sizes {served} only, flag off too: "
-           "at CP 3 and 5 its first prefill crashed with \"CUDA error: an illegal memory access\" (measured), and "
+           "at CP 3, 5, 6 and 7 its scheduler died on a short prompt with \"CUDA error: an illegal memory access\" (measured), and "
            f"it runs DeepEP expert parallelism over all --tp-size ranks, which has kernels for {served} ranks; "
            f"use --tp-size {choose} (the attention CP size, --tp-size / --dp-size, must be one of them too).")
 

@@ -100,7 +100,10 @@ def test_failing_kernel_falls_back_after_the_same_all_gather(cp):
         group.calls = []
         ours = hooks.all_gather_in_seq_order(cp.cp_utils.cp_all_gather_rerange_output, rows, n, fb, stream)
         assert same_bytes(ours, theirs) and len(group.calls) == 1
-    assert cp.pool.context.kernels.failed == {"rerange_in_seq"}
+    # this rank's failure waits for the CP group's agreement point (forward/agreement.py), which
+    # this single hook call does not reach; test_rank_agreement.py runs the group's decision
+    kernels = cp.pool.context.kernels
+    assert set(kernels.failed_here) == {"rerange_in_seq"} and kernels.failed == set()
 
 
 def test_debug_mode_runs_sglang(cp):
