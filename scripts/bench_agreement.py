@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""What the forward's agreement point costs (forward/agreement.py): one all-gather of three
-int64 words per rank over the CP group's CPU (gloo) group, once per prefill forward.
+"""What the forward's agreement point costs (forward/agreement.py): one all-reduce (MAX) of one
+int64 over the CP group's CPU (gloo) group, once per prefill forward, when no rank has news.
 
 N rank processes over gloo on this machine's loopback, each calling the plugin's real
 ``ForwardAgreement.end_forward`` the way the hook after ``ModelRunner.forward`` does, with
@@ -90,7 +90,7 @@ def measure(n: int, iterations: int, warmup: int) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     sizes = [int(x) for x in args.cp_sizes.split(",")]
-    result = {"what": "forward agreement point (gloo all-gather of 3 int64 per rank), no fault",
+    result = {"what": "forward agreement point (gloo all-reduce MAX of one int64), no fault",
               "command": "scripts/bench_agreement.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "cpu_cores": os.cpu_count(), "iterations": args.iterations,
               "sizes": [measure(n, args.iterations, args.warmup) for n in sizes]}

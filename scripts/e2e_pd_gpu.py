@@ -90,20 +90,30 @@ import argparse
 import sys
 import threading
 import time
-import urllib.error
 from pathlib import Path
-from typing import NamedTuple, Optional
 
 from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS
-from sglang_cp_shared_kv.testing import shared_gpu
+from sglang_cp_shared_kv.testing import pd_servers, shared_gpu
+from sglang_cp_shared_kv.testing.pd_servers import (
+    ABORT_CAUSE,
+    AT_ONCE_S,
+    CAUSE_PREFIX,
+    NEW_TOKENS,  # noqa: F401 -- part of this script's interface (its tests read it here)
+    PAGES_SENT_METRIC,
+    generate_pd,
+    max_logprob_gap,
+    pages_sent_by_rank,
+    refused_at_once,
+    same_answer,
+    summarize_decode,  # noqa: F401 -- as NEW_TOKENS
+)
+from sglang_cp_shared_kv.testing.pd_servers import PdRun as Run
 from sglang_cp_shared_kv.testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
     accumulate_runs,
-    e2e_env,
     flush_cache,
     post,
-    prometheus_labels,
     prometheus_samples,
     stable_topk_problem,
     start_server,
@@ -118,7 +128,6 @@ RADIX_PREFIX = 2 * CHUNK  # what the radix-hit prompt shares with the chunked pr
 POOL = 8192  # --max-total-tokens of the prefill (per rank) in the runs the over-pool prompt exceeds
 BIG_POOL = 32768
 DECODE_POOL = 8192  # --max-total-tokens of decode in the small-decode runs
-NEW_TOKENS = 8
 #: NOTE: every chunk of every prompt is a multiple of 2 x 8 tokens, so SGLang's in-seq split
 #: gives every CP rank as many rows up to CP8 (why: scripts/e2e_cp_logprobs.py, SPLIT_MULTIPLE)
 SHORT_TOKENS = 1504
@@ -127,39 +136,12 @@ MODEL = {**TINY_DSV32, "max_position_embeddings": 32768}
 #: given up on the request, so a decode that still holds it holds it for good
 HANG_PROBE_S = 45
 SMALL_DECODE_BOOTSTRAP_TIMEOUT_S = 20
-#: a refusal "at once": well under every timeout of these runs
-AT_ONCE_S = 10
-#: how decode's error names a shared-KV prefill's failure cause (transfer/decode.py)
-CAUSE_PREFIX = "cause: prefill CP rank"
-#: how that cause names an abort on the prefill (transfer/hooks.py)
-ABORT_CAUSE = "the prefill aborted the request"
 #: NOTE: how long on_abort's CP rank 1 holds its first write: far longer than the abort takes
 #: to reach decode, so the request is still in flight when it is aborted
 STALL_S = 30
 #: a run's prefill HTTP port is --port + PORTS_PER_RUN x its place in RUNS; decode +1,
 #: bootstrap +2, the prefill's NCCL +3, decode's +4
 PORTS_PER_RUN = 10
-#: the plugin's count of pages each prefill CP rank sent (labels cp_rank, kind=kv|state)
-PAGES_SENT_METRIC = "sglang:cp_shared_kv_transfer_pages_total"
-
-
-class Run(NamedTuple):
-    flag_on: bool  # the flag on the prefill (and, with it, on decode: the deployment of docs/deploy.md)
-    prefill_pool: int
-    corrupt_rank: Optional[int] = None  # the CP rank whose sends scripts/e2e/sitecustomize.py corrupts
-    decode_pool: Optional[int] = None  # decode's --max-total-tokens (None: what its memory fraction gives)
-    decode_flag: bool = False
-    stall_rank: Optional[int] = None  # the CP rank whose first write scripts/e2e/sitecustomize.py holds
-    all_cp_ranks: bool = False  # SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 with the flag off
-
-    @property
-    def every_cp_rank_sends(self) -> bool:
-        """The flag needs every CP rank to send (on both servers); stock keeps rank 0 sending."""
-        return self.flag_on or self.decode_flag or self.all_cp_ranks
-
-    @property
-    def small_decode(self) -> bool:
-        return self.decode_pool is not None
 
 
 RUNS = {
@@ -230,144 +212,15 @@ def run_ports(args, name):
 
 
 def server_commands(args, run: Run, ports):
-    """(prefill cmd, decode cmd) of one run."""
-    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--load-format",
-            "dummy", "--skip-tokenizer-init", "--trust-remote-code", "--page-size", "64", "--disable-cuda-graph",
-            "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch", "--random-seed", "0",
-            "--kv-cache-dtype", args.kv_cache_dtype, "--disaggregation-transfer-backend", "mooncake",
-            "--host", "127.0.0.1"]
-    backends = ["--nsa-prefill-backend", "flashmla_sparse", "--nsa-decode-backend", "flashmla_sparse"]
-    if args.kv_cache_dtype == "bfloat16":
-        base += backends
-    prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
-                      "--port", str(ports["prefill"]), "--chunked-prefill-size", str(CHUNK),
-                      "--max-total-tokens", str(run.prefill_pool)]
-    decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0"]
-    if "prefill_nccl" in ports:
-        prefill += ["--nccl-port", str(ports["prefill_nccl"])]
-        decode += ["--nccl-port", str(ports["decode_nccl"])]
-    if args.cp_size > 1 and args.kv_cache_dtype != "bfloat16":
-        # NOTE: the prefill only: flashmla_kv fails with in-seq-split fp8; decode is not CP
-        # and keeps SGLang's fp8 default (its flashmla_sparse decode has no fp8 read)
-        prefill += backends
-    if args.cp_size > 1:
-        prefill += ["--tp", str(args.cp_size), "--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode",
-                    "in-seq-split", "--disable-custom-all-reduce"]
-    else:
-        prefill += ["--tp", "1"]
-    decode += ["--tp", "1"]
-    if args.share_gpu:  # every rank of both servers on GPU 0, every pool fixed (shared_gpu.py)
-        fractions = (shared_gpu.MEM_FRACTION_STATIC,) * 2
-        prefill += shared_gpu.server_args()
-        decode += shared_gpu.server_args()
-    elif args.cp_size > 1:  # decode on GPU 0 beside prefill rank 0
-        fractions = (0.45, 0.85)
-    else:  # both on GPU 0: what the prefill leaves
-        fractions = (0.3, 0.3)
-    prefill += ["--mem-fraction-static", str(fractions[0])]
-    decode += ["--mem-fraction-static", str(fractions[1])]
-    if run.flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
-        prefill += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
-    if run.decode_flag:
-        decode.append("--enable-nsa-prefill-cp-shared-kv")
-    decode_pool = BIG_POOL if run.decode_pool is None and args.share_gpu else run.decode_pool
-    if decode_pool is not None:
-        decode += ["--max-total-tokens", str(decode_pool)]
-    return prefill, decode
+    """(prefill cmd, decode cmd) of one run (``testing.pd_servers.server_commands``)."""
+    return pd_servers.server_commands(args, run, ports, chunk=CHUNK, default_decode_pool=BIG_POOL)
 
 
 def run_env(args, run: Run):
+    """Both servers' environment (``testing.pd_servers.run_env``): the small-decode runs'
+    prefill gives up on a request decode never takes after SMALL_DECODE_BOOTSTRAP_TIMEOUT_S."""
     bootstrap_timeout = SMALL_DECODE_BOOTSTRAP_TIMEOUT_S if run.small_decode else 60
-    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
-                   # a refused or lost request fails within a minute instead of 300 s
-                   "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
-                   "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(bootstrap_timeout)})
-    if run.every_cp_rank_sends:
-        env["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
-    else:  # NOTE: not inherited either: stock's default is what the flag-off runs measure
-        env.pop("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", None)
-    if not args.stock_topk:
-        env["CPSKV_E2E_STABLE_TOPK"] = "1"
-    if run.corrupt_rank is not None:
-        env["CPSKV_E2E_CORRUPT_SEND_RANK"] = str(run.corrupt_rank)
-    if run.stall_rank is not None:
-        env.update(CPSKV_E2E_STALL_WRITE_RANK=str(run.stall_rank), CPSKV_E2E_STALL_WRITE_S=str(STALL_S))
-    if args.share_gpu:
-        env.update(shared_gpu.env())
-    return env
-
-
-def _answer(port, body, out, key, timeout):
-    t0 = time.monotonic()
-    try:
-        result = post(port, "/generate", body, timeout=timeout)
-        out[key] = {"status": "ok", "response": result}
-    except urllib.error.HTTPError as exc:
-        out[key] = {"status": "http_error", "code": exc.code, "error": exc.read().decode(errors="replace")[-2000:]}
-    except Exception as exc:  # noqa: BLE001 -- recorded, judged by the verdict
-        out[key] = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
-    out[key]["elapsed_s"] = round(time.monotonic() - t0, 3)
-
-
-def generate_pd(ports, ids, room, timeout=150, rid=None, meanwhile=None):
-    """Post one prompt to prefill and decode (one bootstrap room); decode's answer as
-    {status, ids, logprobs, finish_reason, error}, and the prefill's status. ``timeout``:
-    how long each client waits (NOTE: the default is well past SGLang's 60 s waiting and
-    bootstrap timeouts of these runs, so a request lost in PD fails within it). ``rid``:
-    the request id on both servers; ``meanwhile(t0)``: called once both are posted
-    (``t0``: the monotonic time they were)."""
-    body = {"input_ids": ids, "return_logprob": True, "bootstrap_host": "127.0.0.1",
-            "bootstrap_port": ports["bootstrap"], "bootstrap_room": room,
-            "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}}
-    if rid is not None:
-        body["rid"] = rid
-    out = {}
-    workers = [threading.Thread(target=_answer, args=(ports[side], body, out, side, timeout))
-               for side in ("prefill", "decode")]
-    t0 = time.monotonic()
-    for w in workers:
-        w.start()
-    if meanwhile is not None:
-        meanwhile(t0)
-    for w in workers:
-        w.join()
-    prefill = out["prefill"]
-    if prefill.get("status") == "ok":  # what the prefill found in its radix cache
-        prefill["cached_tokens"] = (prefill["response"].get("meta_info") or {}).get("cached_tokens")
-    return {"decode": summarize_decode(out["decode"]), "prefill": {k: v for k, v in out["prefill"].items()
-                                                                    if k != "response"}}
-
-
-def summarize_decode(answer):
-    """The parts of decode's answer the verdict compares."""
-    if answer["status"] != "ok":
-        return {k: answer[k] for k in ("status", "error", "elapsed_s") if k in answer}
-    meta = answer["response"].get("meta_info", {})
-    finish = meta.get("finish_reason") or {}
-    entry = {"status": "ok", "elapsed_s": answer["elapsed_s"], "ids": answer["response"].get("output_ids"),
-             "logprobs": [x[0] for x in meta.get("output_token_logprobs", [])], "finish_reason": finish}
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        entry["status"] = "aborted"
-        entry["error"] = finish.get("message")
-    return entry
-
-
-def same_answer(a, b):
-    """Bit-identical decode answers (both answered)."""
-    return a["status"] == b["status"] == "ok" and a["ids"] == b["ids"] and a["logprobs"] == b["logprobs"]
-
-
-def max_logprob_gap(a, b):
-    if a.get("status") != "ok" or b.get("status") != "ok" or len(a["logprobs"]) != len(b["logprobs"]):
-        return None
-    return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
-
-
-def refused_at_once(answer, naming=None):
-    """Decode failed the request (an HTTP error or an abort) within AT_ONCE_S, its message
-    naming ``naming`` when given."""
-    return (answer["status"] in ("http_error", "aborted") and answer.get("elapsed_s", AT_ONCE_S) < AT_ONCE_S
-            and (naming is None or naming in (answer.get("error") or "")))
+    return pd_servers.run_env(args, run, bootstrap_timeout_s=bootstrap_timeout, stall_s=STALL_S)
 
 
 def verdict(runs, cp_size=2):
@@ -497,15 +350,6 @@ def aborted_at_once(entry) -> bool:
             and answer["status"] in ("http_error", "aborted")
             and answer.get("elapsed_s", AT_ONCE_S + 1e9) - record["abort_at_s"] < AT_ONCE_S
             and ABORT_CAUSE in (answer.get("error") or ""))
-
-
-def pages_sent_by_rank(samples):
-    """{cp rank: {"kv": pages, "state": pages}} from the PAGES_SENT_METRIC samples."""
-    ranks = {}
-    for labels, value in samples.items():
-        fields = prometheus_labels(labels)
-        ranks.setdefault(int(fields["cp_rank"]), {})[fields["kind"]] = int(value)
-    return dict(sorted(ranks.items()))
 
 
 def run_servers(name, args, work, room_base):

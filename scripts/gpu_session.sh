@@ -20,6 +20,10 @@
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
 #   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder;
 #   several argument sets separated by ';' run one after another, each report named after them);
+#   SOAK="--cp-size 4 --share-gpu ..." runs scripts/soak_pd.py with those arguments (a PD pair under
+#   load; its phases on/off/fault accumulate in ~/soak-work, SOAK_SEED=dir first copies dir/*.json,
+#   an earlier call's phases, there; JSON to $out/soak_pd.json, the phases' records and server logs
+#   to $out/soak-logs.tar.xz, packed every PACK_EVERY seconds while it runs);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
 #   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
 #   SELFCHECK="--cp-size 2 ..." runs `python -m sglang_cp_shared_kv selfcheck --device cuda --json` with
@@ -155,6 +159,24 @@ if [ -n "${PD:-}" ]; then
     grep "^\[e2e-pd\]" "$out/$name.txt"; grep -E '"pass"' "$out/$name.txt" | tail -1
     checkpoint
   done
+fi
+if [ -n "${SOAK:-}" ]; then  # SOAK="--cp-size 4 --share-gpu --phases on,off": scripts/soak_pd.py, one GPU
+  mkdir -p "$HOME/soak-work"
+  [ -n "${SOAK_SEED:-}" ] && cp "$SOAK_SEED"/*.json "$HOME/soak-work/"  # phases of an earlier call (soak-logs.tar.xz)
+  pack_soak() {
+    tar -cJf "$out/soak-logs.tar.xz.tmp" -C "$HOME/soak-work" --exclude='tiny-*' . 2>/dev/null \
+      && mv "$out/soak-logs.tar.xz.tmp" "$out/soak-logs.tar.xz"
+    [ -z "${PACK:-}" ] || { tar -cJf "$PACK.tmp" -C "$out" --exclude='*.tmp' . 2>/dev/null && mv "$PACK.tmp" "$PACK"; }
+  }
+  ( while sleep "${PACK_EVERY:-60}"; do pack_soak; done ) & packer=$!
+  python3 scripts/soak_pd.py $SOAK --workdir "$HOME/soak-work" --out "$out/soak_pd.json" > "$out/soak_pd.txt" 2>&1 \
+    || status=1
+  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
+  pack_soak
+  grep "^\[soak\]" "$out/soak_pd.txt"
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('soak', v['pass'], k) for k, v in d['checks'].items()]; print('soak pass', d['pass'], 'phases', d['phases'], 'failed', d['failed_phases'])" \
+    "$out/soak_pd.json" || tail -20 "$out/soak_pd.txt"
+  checkpoint
 fi
 if [ -n "${PD_BENCH:-}" ]; then
   python3 scripts/bench_pd_transfer.py $PD_BENCH --workdir "$HOME/pd-bench-work" --out "$out/bench_pd_transfer.json" \

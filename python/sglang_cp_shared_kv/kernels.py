@@ -61,9 +61,8 @@ def _all_on_cuda(tensors: Sequence[torch.Tensor]) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-#: Every kernel a :class:`KernelDispatch` runs, by the name it records a failure under.
-#: NOTE: the order is the bit order of the agreement's kernel mask (``forward.agreement``):
-#: append only.
+#: Every kernel a :class:`KernelDispatch` runs, by the name it records a failure under (the
+#: agreement point, ``forward.agreement``, falls back on these names for the whole group).
 KERNEL_NAMES: Tuple[str, ...] = (
     "store_mla_rows", "store_mla_rows_fp8", "store_index_rows", "copy_mla_rows", "copy_index_rows",
     "pack_pages", "build_page_inverse", "remap_locs", "rerange_in_seq",

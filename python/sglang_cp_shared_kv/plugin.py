@@ -82,7 +82,7 @@ def _forward_agreement_hook() -> HookSpec:
 @functools.cache
 def _hook_table() -> Tuple[HookSpec, ...]:
     """The hook table of the supported release (imports the modules that hold the hooks)."""
-    from sglang_cp_shared_kv import capacity, decode_server, metrics
+    from sglang_cp_shared_kv import capacity, decode_server, idle_pool_audit, metrics
     from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.transfer import hooks as transfer
 
@@ -97,6 +97,9 @@ def _hook_table() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_KV_MIXIN}._init_pools", capacity.build_pools, "around"),
         HookSpec(f"{_KV_MIXIN}.init_memory_pool", capacity.log_capacity, "after"),
         HookSpec(f"{_SCHEDULER_METRICS}.install_device_timer_on_runners", metrics.emit_physical_capacity, "after"),
+        # an idle scheduler's pool page by page, beside SGLang's own idle check (--enable-metrics)
+        HookSpec("sglang.srt.managers.scheduler_runtime_checker_mixin.SchedulerRuntimeCheckerMixin._check_all_pools",
+                 idle_pool_audit.audit_idle_pools, "after"),
         # --- forward path: owner-only writes, dense-view reads
         HookSpec(f"{_NSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
         HookSpec(f"{_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),

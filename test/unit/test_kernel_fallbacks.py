@@ -220,9 +220,9 @@ def test_a_kernel_the_group_gave_up_on_is_not_tried(monkeypatch):
         dispatch.fall_back("no_such_kernel")
 
 
-def test_every_kernel_the_dispatch_runs_has_a_name_in_the_mask():
-    """A failure is carried to the agreement point as a bit of KERNEL_NAMES: every name
-    ``_run`` records must be there (read from the dispatch's own source)."""
+def test_every_kernel_the_dispatch_runs_is_named_in_kernel_names():
+    """The agreement point falls back by the names of KERNEL_NAMES: every name ``_run``
+    records must be there (read from the dispatch's own source)."""
     import inspect
     import re
 
@@ -230,4 +230,4 @@ def test_every_kernel_the_dispatch_runs_has_a_name_in_the_mask():
     recorded = set(re.findall(r'self\._run\("(\w+)"', source))
     recorded |= set(re.findall(r'"(store_mla_rows(?:_fp8)?)"', source))
     assert recorded and recorded <= set(kernels.KERNEL_NAMES)
-    assert len(set(kernels.KERNEL_NAMES)) == len(kernels.KERNEL_NAMES) < 63
+    assert len(set(kernels.KERNEL_NAMES)) == len(kernels.KERNEL_NAMES)

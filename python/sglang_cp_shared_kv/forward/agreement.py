@@ -25,13 +25,13 @@ The agreement points:
   first layer's collectives (the plan's sizes travel with it: every rank must size its
   gathers identically).
 
-What travels: per rank three integers -- the first recorded check's code (0: none), its
-layer + 1 (0: outside a layer) and a bit mask of the kernels that raised on the rank since
-the last agreement point -- in one ``all_gather`` over the CP group's CPU (gloo) group, so
-the common case costs one small host collective per forward and no device
-synchronisation. Only when some rank has something to say (a rank-identical decision: all
-ranks see the same gathered integers) do the ranks also exchange the messages
-(``all_gather_object``).
+What travels: in the common case one int64 per rank -- 1 when the rank recorded a check or
+saw a kernel raise since the last agreement point -- all-reduced (MAX) over the CP group's
+CPU (gloo) group: one small host collective per forward and no device synchronisation.
+When the result is 1 (a rank-identical decision: every rank sees the same value) the ranks
+also exchange what they found (``all_gather_object``: check, layer, message, kernels and
+their causes). Debug mode's agreements also carry integers every rank must hold identically
+(the gather plan, the local-writes decision); those all-gather them instead of reducing.
 
 Checks whose inputs are the same on every rank (the forward mode, the batch size, a path
 of SGLang's that every rank takes alike) keep raising where they are: every rank raises
@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -60,9 +60,8 @@ from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
 
 logger = logging.getLogger(__name__)
 
-#: The rank-local checks of a forward, by name (their position + 1 is their code on the
-#: wire). NOTE: append only -- a code names the same check on every rank of a group, which
-#: all run the same plugin version.
+#: The rank-local checks of a forward, by name, with what each checks (a name travels between
+#: the ranks in the agreement's messages).
 CHECKS: Tuple[Tuple[str, str], ...] = (
     ("local_rows", "a local-writes forward: SGLang handed this rank another number of local rows than planned"),
     ("chunk_rows", "a chunk handed to a store holds other than one row per out_cache_loc row"),
@@ -74,10 +73,8 @@ CHECKS: Tuple[Tuple[str, str], ...] = (
     ("debug:local_writes", "debug mode: this rank's local rows against SGLang's own split"),
     ("debug:owned_rows", "debug mode: the owned rows copied into the shard against the dense view's"),
 )
-_CHECK_CODES: Dict[str, int] = {name: code for code, (name, _) in enumerate(CHECKS, start=1)}
+_CHECK_NAMES = frozenset(name for name, _ in CHECKS)
 
-#: NOTE: the kernel mask is one int64 word (bit i: ``KERNEL_NAMES[i]``)
-assert len(KERNEL_NAMES) < 63
 
 
 class CpSharedKVRankFault(RuntimeError):
@@ -120,8 +117,8 @@ class ForwardAgreement:
     def record(self, check: str, message: str, layer: Optional[int] = None) -> None:
         """Record that ``check`` failed on this rank (the first record until the next
         agreement point wins; later ones are logged only). Never raises for the failure."""
-        if check not in _CHECK_CODES:
-            raise ValueError(f"unknown check {check!r}; the rank-local checks are {sorted(_CHECK_CODES)}")
+        if check not in _CHECK_NAMES:
+            raise ValueError(f"unknown check {check!r}; the rank-local checks are {sorted(_CHECK_NAMES)}")
         fault = Fault(check, message, layer)
         logger.error("CP shared KV: CP rank %d of %d: check '%s' failed %s: %s; the group fails this forward "
                      "together at its agreement point", self.cp_rank, self.cp_size, check, fault.where(), message)
@@ -159,13 +156,10 @@ class ForwardAgreement:
             self.agree(group)
 
     # ------------------------------------------------------------------ agreeing
-    def _words(self, extra: Sequence[int]) -> torch.Tensor:
-        code = _CHECK_CODES[self.fault.check] if self.fault is not None else 0
-        layer = 0 if self.fault is None or self.fault.layer is None else self.fault.layer + 1
-        mask = 0
-        for name in self.kernels.failed_here:
-            mask |= 1 << KERNEL_NAMES.index(name)
-        return torch.tensor([code, layer, mask, *extra], dtype=torch.int64)
+    @property
+    def has_news(self) -> bool:
+        """This rank recorded a check or saw a kernel raise since the last agreement point."""
+        return self.fault is not None or bool(self.kernels.failed_here)
 
     def agree(self, group, *, extra: Sequence[int] = (), extra_names: Sequence[str] = (),
               extra_what: str = "") -> None:
@@ -175,25 +169,30 @@ class ForwardAgreement:
         every rank. ``extra``: integers every rank must hold identically (``extra_what``,
         each named by ``extra_names``: debug mode's gather plan or local-writes decision), a
         difference failing every rank too."""
-        words = self._words(extra)
-        gathered = [torch.empty_like(words) for _ in range(self.cp_size)]
-        torch.distributed.all_gather(gathered, words, group=group)
-        table = torch.stack(gathered)
+        words = torch.tensor([int(self.has_news), *extra], dtype=torch.int64)
         self.agreements += 1
-        plan_differs = bool((table[:, 3:] != table[0, 3:]).any())
-        if not bool(table[:, :3].any()) and not plan_differs:
-            self._reset()
+        plans = None
+        if extra:  # debug mode: every rank's plan, to compare
+            gathered = [torch.empty_like(words) for _ in range(self.cp_size)]
+            torch.distributed.all_gather(gathered, words, group=group)
+            table = torch.stack(gathered)
+            news, plans = bool(table[:, 0].any()), table[:, 1:]
+            plan_differs = bool((plans != plans[0]).any())
+        else:
+            torch.distributed.all_reduce(words, op=torch.distributed.ReduceOp.MAX, group=group)
+            news, plan_differs = bool(words[0]), False
+        if not news and not plan_differs:
             return
-        # some rank has something to say: every rank sees it, so every rank exchanges messages
+        # some rank has something to say: every rank knows it, so every rank exchanges what it found
         details: List[Optional[dict]] = [None] * self.cp_size
         torch.distributed.all_gather_object(details, self._details(), group=group)
         self._reset()
-        self._fall_back_together(table, details)
+        self._fall_back_together(details)
         problems = [f"CP rank {rank} of {self.cp_size}: check '{detail['check']}' failed {detail['where']}: "
                     f"{detail['message']}"
-                    for rank, detail in enumerate(details) if int(table[rank, 0])]
+                    for rank, detail in enumerate(details) if detail["check"] is not None]
         if plan_differs:
-            rows = {rank: dict(zip(extra_names, table[rank, 3:].tolist())) for rank in range(self.cp_size)}
+            rows = {rank: dict(zip(extra_names, plans[rank].tolist())) for rank in range(self.cp_size)}
             problems.append(f"the CP ranks disagree on {extra_what}: {rows}")
         if problems:
             raise CpSharedKVRankFault(f"{FLAG}: the forward failed on every CP rank together: " + "; ".join(problems))
@@ -203,17 +202,13 @@ class ForwardAgreement:
         return {"check": fault.check if fault else None, "message": fault.message if fault else None,
                 "where": fault.where() if fault else None, "kernels": dict(self.kernels.failed_here)}
 
-    def _fall_back_together(self, table: torch.Tensor, details: List[Optional[dict]]) -> None:
+    def _fall_back_together(self, details: List[dict]) -> None:
         """Every kernel that raised on some rank: its reference on every rank from now on,
         logged once with the cause and counted."""
-        union = 0
-        for mask in table[:, 2].tolist():
-            union |= mask
-        for bit, name in enumerate(KERNEL_NAMES):
-            if not union >> bit & 1 or name in self.kernels.failed:
+        for name in KERNEL_NAMES:
+            seen = {rank: detail["kernels"][name] for rank, detail in enumerate(details) if name in detail["kernels"]}
+            if not seen or name in self.kernels.failed:
                 continue
-            seen = {rank: detail["kernels"][name] for rank, detail in enumerate(details)
-                    if name in detail["kernels"]}
             self.kernels.fall_back(name)
             logger.warning("CP shared KV: kernel %s raised on CP rank(s) %s (%s); every rank of the CP group runs "
                            "its torch reference from the next forward on (the same bytes, slower)", name,

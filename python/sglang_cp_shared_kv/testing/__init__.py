@@ -13,6 +13,11 @@ which goes through :mod:`sglang_cp_shared_kv.sglang_api`):
   replicated pool: :mod:`.cp_rig` (one rank's pools and forwards), :mod:`.cp_scenarios`
   (what they run), :mod:`.attention_reference` (what the stock kernels would read and
   compute);
+* :mod:`.rank_faults` -- one rank's fault at each rank-local check of the forward (and a
+  kernel raising on one rank), on N gloo ranks of either release's rig: every rank must
+  raise the same error (``forward.agreement``);
 * :mod:`.pd_rig` -- prefill ranks and a decode over SGLang's Mooncake classes on loopback
-  (the launcher; its parts in :mod:`.pd`).
+  (the launcher; its parts in :mod:`.pd`);
+* :mod:`.pd_servers`, :mod:`.pd_load` -- a real PD pair for the GPU scripts
+  (``scripts/e2e_pd_gpu.py``, ``scripts/soak_pd.py``) and the soak's load.
 """
