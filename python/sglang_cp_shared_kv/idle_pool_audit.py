@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional
 
 from sglang_cp_shared_kv.config import is_enabled
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ def page_accounting(free_pages, held_locations, page_size: int, num_pages: int, 
     """Where each logical page ``1 .. num_pages`` is: ``free_pages`` (page ids, as the
     allocator lists them, a page listed twice counts twice) and ``held_locations`` (token
     locations the radix tree holds). ``rank_*``: the pages rank ``cp_rank`` of ``cp_size``
-    stores (logical ``p`` with ``(p - 1) mod cp_size == cp_rank``)."""
+    stores (its owned pages, as :class:`.cp_shared_kv_layout.CpSharedKVLayout` assigns them)."""
     import torch
 
     free = free_pages.reshape(-1).to(torch.int64)
@@ -88,7 +89,8 @@ def page_accounting(free_pages, held_locations, page_size: int, num_pages: int, 
     in_range = (listed >= 1) & (listed <= num_pages)
     counts = torch.bincount(listed[in_range], minlength=num_pages + 1)[1:]
     free_counts = torch.bincount(free[(free >= 1) & (free <= num_pages)], minlength=num_pages + 1)[1:]
-    lane = (torch.arange(num_pages, device=counts.device) % cp_size) == cp_rank
+    lane = CpSharedKVLayout(page_size, cp_size, cp_rank).owned_pages_mask(
+        torch.arange(1, num_pages + 1, device=counts.device), validate=False)
     leaked = counts == 0
     return {
         "pages": num_pages,

@@ -76,15 +76,9 @@ CHECKS: Tuple[Tuple[str, str], ...] = (
 _CHECK_NAMES = frozenset(name for name, _ in CHECKS)
 
 
-
 class CpSharedKVRankFault(RuntimeError):
     """A check failed on some CP rank during a forward; raised on every rank of the group
     with the same message, at the agreement point."""
-
-
-class CheckFailed(AssertionError):
-    """Raised by a check function inside :meth:`ForwardAgreement.carried` (as is any
-    ``AssertionError``): recorded there, not raised."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +128,6 @@ class ForwardAgreement:
         except AssertionError as exc:
             self.record(check, str(exc), layer)
 
-    @property
-    def faulted(self) -> bool:
-        return self.fault is not None
-
     def begin_forward(self) -> None:
         """A shared-KV batch begins: its forward must reach :meth:`end_forward`."""
         if self.forward_open:
@@ -171,7 +161,6 @@ class ForwardAgreement:
         difference failing every rank too."""
         words = torch.tensor([int(self.has_news), *extra], dtype=torch.int64)
         self.agreements += 1
-        plans = None
         if extra:  # debug mode: every rank's plan, to compare
             gathered = [torch.empty_like(words) for _ in range(self.cp_size)]
             torch.distributed.all_gather(gathered, words, group=group)
@@ -229,4 +218,4 @@ def _fallbacks_counter():
         ("cp_rank", "kernel"))
 
 
-__all__ = ["CHECKS", "CheckFailed", "CpSharedKVRankFault", "Fault", "ForwardAgreement"]
+__all__ = ["CHECKS", "CpSharedKVRankFault", "Fault", "ForwardAgreement"]

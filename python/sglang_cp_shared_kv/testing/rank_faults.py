@@ -67,7 +67,10 @@ def _one_chunk_before(rig):
 def _gathered_chunk(rig, req):
     """A phase-3 chunk (SGLang gathers it; every rank stores it into the views): after
     ``_one_chunk_before`` it has history, so the prefetch has something to gather."""
-    rig.extend(req, 130, pad_rows=130 % 3) if req.seq_len else rig.extend(req, 437, pad_rows=3)
+    if req.seq_len:
+        rig.extend(req, 130, pad_rows=130 % 3)
+    else:
+        rig.extend(req, 437, pad_rows=3)
 
 
 def _local_chunk(rig, req):
