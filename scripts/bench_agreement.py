@@ -48,7 +48,7 @@ def _rank_main(rank, n, port, out_dir, iterations, warmup):
 
     from sglang_cp_shared_kv.forward.agreement import ForwardAgreement
     from sglang_cp_shared_kv.kernels import KernelDispatch
-    from sglang_cp_shared_kv.testing.cp_harness import finish_rank
+    from sglang_cp_shared_kv_testing.cp_harness import finish_rank
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
@@ -72,7 +72,7 @@ def _rank_main(rank, n, port, out_dir, iterations, warmup):
 def measure(n: int, iterations: int, warmup: int) -> dict:
     import torch.multiprocessing as mp
 
-    from sglang_cp_shared_kv.testing.support import free_port, run_rank_processes
+    from sglang_cp_shared_kv_testing.support import free_port, run_rank_processes
 
     out_dir = tempfile.mkdtemp(prefix=f"bench-agreement-{n}-")
     per_rank = run_rank_processes(mp.get_context("spawn"), _rank_main, n, out_dir,

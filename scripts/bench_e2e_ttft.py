@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from sglang_cp_shared_kv.testing.server import (
+from sglang_cp_shared_kv_testing.server import (
     WRITE_PATHS_METRIC,
     e2e_env,
     post,

@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch
 
-from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
-from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK as NOPE_DIM
-from sglang_cp_shared_kv.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.kv_geometry import index_row_bytes, mla_row_bytes
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_KV_LORA_RANK as NOPE_DIM
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import index_row_bytes, mla_row_bytes
 
 LATENT_DIM = NOPE_DIM + ROPE_DIM  # 576 bf16 values
 BF16_ROW, FP8_ROW, INDEX_ROW = mla_row_bytes("bf16"), mla_row_bytes("fp8_e4m3"), index_row_bytes()  # 1152, 656, 132

@@ -44,7 +44,7 @@ The current chunk (``--chunk-sizes``, default 8,192 tokens), per layer, two ways
 run, interleaved: SGLang's two in-seq all-gathers of the chunk's bf16 KV (the latent, 576
 values, and the index key, 128 values, every rank's ceil(C/N) rows), which every chunk
 costs without local writes (flag off too); and what a local-writes chunk moves instead
-(``forward.local_writes``): the current region of the MLA and index views, packed from the
+(``forward.local_writes_v0512``): the current region of the MLA and index views, packed from the
 shards and all-gathered as stored pages (bf16 or fp8 MLA rows, 132-byte index rows).
 Neither includes the stores (SGLang's path also stores every row on every rank and
 re-ranges the gathered rows; the local path stores each rank's own rows once).
@@ -72,9 +72,9 @@ import time
 from pathlib import Path
 from typing import Tuple
 
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.kv_geometry import NsaModelShape, index_row_bytes, mla_row_bytes
-from sglang_cp_shared_kv.testing.support import free_port
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape, index_row_bytes, mla_row_bytes
+from sglang_cp_shared_kv_testing.support import free_port
 
 HISTORIES = (8 * 1024, 32 * 1024, 128 * 1024)
 CP_SIZES = (2, 4, 8)

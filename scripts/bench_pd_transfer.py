@@ -3,7 +3,7 @@
 interleaved pages and with compute-owner pages, side by side.
 
 Runs SGLang's real Mooncake PD classes over loopback (the rig of the CPU tests,
-``sglang_cp_shared_kv.testing.pd_rig``): for each CP size N, N prefill rank processes and
+``sglang_cp_shared_kv_testing.pd_rig``): for each CP size N, N prefill rank processes and
 one decode process; N = 1 is a replicated prefill without CP and the flag off (one sender,
 SGLang's stock path), N > 1 runs ``--enable-nsa-prefill-cp-shared-kv`` pools where each
 rank holds and sends only the pages it owns. The request is shaped by a shipped model
@@ -39,9 +39,9 @@ from pathlib import Path
 import numpy as np
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
-from sglang_cp_shared_kv.testing import pd_rig as rig
-from sglang_cp_shared_kv.testing.allocation import request_pages
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv_testing import pd_rig as rig
+from sglang_cp_shared_kv_testing.allocation import request_pages
 from sglang_cp_shared_kv.transfer.pages import contiguous_runs, resolve_max_descriptors_per_batch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@
 #                                  (torch 2.14.1, Python >= 3.11), this plugin (editable, its
 #                                  0.5.12.post1 pins left out), pytest, hypothesis and the CPU
 #                                  Mooncake engine (as for test; links libibverbs1); pytest
-#                                  there runs the tests of test/conftest.py's SGLANG_0523_TESTS.
+#                                  there runs its own tests (*_v0523.py) and test/conftest.py's SHARED_WITH_V0523.
 # Each environment takes about 10-11 GB (torch's CUDA build and its NVIDIA libraries). A new
 # one is refused up front when the disk it goes on, or pip's temporary folder (TMPDIR, /tmp),
 # has less than MIN_FREE_GB (12) free: pip would otherwise stop half-way with "No space left

@@ -50,12 +50,13 @@ from types import SimpleNamespace as NS
 import numpy as np
 import torch
 
-from sglang_cp_shared_kv import sglang_api
+from sglang_cp_shared_kv.releases import installed as releases
+from sglang_cp_shared_kv.releases import v0523
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
-from sglang_cp_shared_kv.kv_geometry import BUNDLED_CONFIG_DIR, BUNDLED_MODELS, GIB, KV_CACHE_DTYPES, PAGE_SIZE
-from sglang_cp_shared_kv.kv_geometry import NsaModelShape
-from sglang_cp_shared_kv.planner import plan_capacity
+from sglang_cp_shared_kv.pool.kv_geometry import BUNDLED_CONFIG_DIR, BUNDLED_MODELS, GIB, KV_CACHE_DTYPES, PAGE_SIZE
+from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape
+from sglang_cp_shared_kv.pool.planner import plan_capacity
 from sglang_cp_shared_kv.transfer.pages import contiguous_runs, filter_chunk, kv_descriptors, own_state_pages
 from sglang_cp_shared_kv.transfer.pages import state_pages_to_send
 
@@ -165,7 +166,7 @@ def ours_pd(shape: NsaModelShape, n: int, pages, page_ends) -> list:
 
 def compute_owner_pages(jobs: list) -> list:
     """The pages 0.5.12's allocator hands each job's request, chunk by chunk (needs SGLang 0.5.12)."""
-    from sglang_cp_shared_kv.testing.allocation import request_pages
+    from sglang_cp_shared_kv_testing.allocation import request_pages
     return [request_pages(n, physical_pages, ends)[0] for n, physical_pages, ends in jobs]
 
 
@@ -284,9 +285,9 @@ class Upstream:
 # ----------------------------------------------------------------------------------- support
 def support() -> list:
     """Each side's limits, with the lines that impose them."""
-    hook, sa, dsa = UP + "arg_groups/kv_shard_hook.py", "python/sglang_cp_shared_kv/server_args.py", \
-        "python/sglang_cp_shared_kv/server_args_dsa.py"
-    conn, api = UP + "disaggregation/common/conn.py", sglang_api
+    hook, sa, dsa = UP + "arg_groups/kv_shard_hook.py", "python/sglang_cp_shared_kv/settings/server_args.py", \
+        "python/sglang_cp_shared_kv/settings/server_args_v0523.py"
+    conn = UP + "disaggregation/common/conn.py"
     rows = [
         ("CP strategy", "interleave only (DSA)", [cite(hook, 'or cfg.cp_strategy != "interleave"')],
          f"0.5.12: in-seq-split (0.5.23 'zigzag') only; 0.5.23: {literal(dsa, 'CP_STRATEGY')}",
@@ -296,7 +297,7 @@ def support() -> list:
          [cite(sa, "SUPPORTED_NSA_PREFILL_BACKENDS = "), cite(dsa, "SUPPORTED_DSA_PREFILL_BACKENDS = ")]),
         ("KV dtypes", "fp8_e4m3 only", [cite(hook, 'or cfg.kv_cache_dtype != "fp8_e4m3"')],
          f"{' and '.join(KV_CACHE_DTYPES)} (fp8 on 0.5.12 with {literal(sa, 'FP8_IN_SEQ_SPLIT_BACKEND')})",
-         [cite("python/sglang_cp_shared_kv/kv_geometry.py", "KV_CACHE_DTYPES = "), cite(sa, "FP8_IN_SEQ_SPLIT_BACKEND = ")]),
+         [cite("python/sglang_cp_shared_kv/pool/kv_geometry.py", "KV_CACHE_DTYPES = "), cite(sa, "FP8_IN_SEQ_SPLIT_BACKEND = ")]),
         ("Hopper / Blackwell", "trtllm is SGLang's Blackwell DSA backend (Hopper fp8 defaults to flashmla_kv): "
          "Blackwell in practice (inferred from the gate, not run)",
          [cite(UP + "arg_groups/overrides.py", "flashmla_kv on Hopper, trtllm on Blackwell")],
@@ -305,13 +306,13 @@ def support() -> list:
         ("decode guard", "prefill-only; decode is stock (refuses a prompt longer than its pool)",
          [cite(hook, 'if cfg.disaggregation_mode != "prefill":'), cite(UP + "disaggregation/decode.py", "if input_len > capacity:")],
          "the flag on decode refuses at once a request it can never hold (prompt + reserved decode tokens)",
-         [cite("python/sglang_cp_shared_kv/decode_admission.py", "tokens_needed(P) = P + reserved_decode_tokens")]),
+         [cite("python/sglang_cp_shared_kv/decode/admission.py", "tokens_needed(P) = P + reserved_decode_tokens")]),
         ("abort / transfer failure", "stock 0.5.23: the status frames carry the failure reason",
          [cite(conn, "def conclude_transfer("), cite(conn, "def abort(self):")],
          "0.5.12 and 0.5.23: the cause reaches decode before Failed (abort, late registration, index write; "
          "0.5.23: ahead of conclude_transfer)",
          [cite("python/sglang_cp_shared_kv/transfer/failure_cause.py", "def encode_failure_cause("),
-          cite("python/sglang_cp_shared_kv/transfer/hooks_dsa.py", "def report_failure_cause_to_decode("),
+          cite("python/sglang_cp_shared_kv/transfer/hooks_v0523.py", "def report_failure_cause_to_decode("),
           cite("docs/design.md", "abort (scheduler thread)")]),
         ("PD transfer backends", "mooncake or nixl; DSA: Mooncake only",
          [cite(hook, 'not in ("mooncake", "nixl"):'), cite(hook, 'cfg.disaggregation_transfer_backend != "mooncake"')],
@@ -321,10 +322,10 @@ def support() -> list:
          "none: one transient dense view per layer (MLA: two with the prefetch)",
          [cite("docs/design.md", "Scratch lifetime: one layer's MLA and index views")]),
         ("on SGLang 0.5.23", "shipped", [cite(hook, "def handle_kv_cache_sharding(")],
-         f"serves on {', '.join(api.SUPPORTED_SGLANG_VERSIONS)} "
-         f"(is_supported_base({api.SGLANG_VERSION_0523!r}) = {api.is_supported_base(api.SGLANG_VERSION_0523)}); "
+         f"serves on {', '.join(r.version for r in releases.SUPPORTED)} "
+         f"(for_version({v0523.RELEASE.version!r}) is v0523.RELEASE: {releases.for_version(v0523.RELEASE.version) is v0523.RELEASE}); "
          "on 0.5.23 bit-exact in the CPU rigs on its real classes, not run on a GPU (startup says so)",
-         [cite(dsa, "NOT_GPU_VERIFIED = ("), cite("python/sglang_cp_shared_kv/sglang_api.py", "SUPPORTED_SGLANG_VERSIONS = ")]),
+         [cite(dsa, "NOT_GPU_VERIFIED = ("), cite("python/sglang_cp_shared_kv/releases/installed.py", "SUPPORTED: Tuple[Release, ...] = ")]),
     ]
     return [dict(zip(("item", "upstream", "upstream_where", "ours", "ours_where"), row)) for row in rows]
 

@@ -4,7 +4,7 @@ prefill server with --enable-nsa-prefill-cp-shared-kv must match the same server
 without it.
 
 Needs N GPUs (``--tp N``, N = 2, 4 or 8), or one GPU with ``--share-gpu`` (all N ranks
-on it: correctness only, ``sglang_cp_shared_kv.testing.shared_gpu``), sglang
+on it: correctness only, ``sglang_cp_shared_kv_testing.shared_gpu``), sglang
 0.5.12.post1 and this plugin installed. It writes a tiny DeepSeek-V3.2 config, then
 launches four servers identical but for the flag and the pool (same parallel layout,
 hence the same dummy weights, made non-degenerate by scripts/e2e/sitecustomize.py):
@@ -36,7 +36,7 @@ rank and exactly N x POOL logical; every CP rank of the flag-on run stored some 
 where they were computed and gathered others (Prometheus write-path counters).
 
 --stable-topk makes the comparison exact: every server runs with SGLang's NSA top-k
-kernels replaced by deterministic stand-ins (``sglang_cp_shared_kv.testing.stable_topk``:
+kernels replaced by deterministic stand-ins (``sglang_cp_shared_kv_testing.stable_topk``:
 the same keys, in key order; the stock kernel returns them in the order of its atomics,
 which is what varies past index_topk). Then off_a and off_b must agree bit for bit at
 every position, so must on and off_a, and the negative control must differ somewhere.
@@ -63,8 +63,8 @@ import time
 import urllib.error
 from pathlib import Path
 
-from sglang_cp_shared_kv.testing import shared_gpu
-from sglang_cp_shared_kv.testing.server import (
+from sglang_cp_shared_kv_testing import shared_gpu
+from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
     accumulate_runs,
@@ -108,7 +108,7 @@ SPLIT_MULTIPLE = 16
 #: top-k stand-in indexed past it and stopped a CP8 server on a 1,500-token prompt (one
 #: H200, 2026-12-04: docs/design.md, scripts/repro_cp_uneven_split.py); stock top-k reads on
 #: in memory and SGLang drops those rows. The stand-in now reads what the kernel reads
-#: (testing/stable_topk.py), and these prompts keep it so: each is answered bit for bit
+#: (sglang_cp_shared_kv_testing/stable_topk.py), and these prompts keep it so: each is answered bit for bit
 #: like the others. Posted after them, in this order (the radix prompt right after the
 #: prompt it shares).
 UNEVEN_PROMPTS = ("1.5k_uneven_1500", "1.5k_uneven_1501", "4k_last_chunk_13", "radix_mid_page",

@@ -14,7 +14,7 @@ in-seq-split, docs/troubleshooting.md) and SGLang's default on decode (its
 ``flashmla_sparse`` decode reads the cache without dequantizing fp8).
 ``--cp-size 1`` (one GPU): prefill TP1 and decode TP1 on GPU 0, flag-off runs only -- the
 script, the Mooncake CUDA 13 install and stock PD on one H200. ``--share-gpu``: every rank
-of both servers on GPU 0 (``sglang_cp_shared_kv.testing.shared_gpu``: correctness only,
+of both servers on GPU 0 (``sglang_cp_shared_kv_testing.shared_gpu``: correctness only,
 no time it records means anything), every pool fixed (decode's at BIG_POOL when the run
 names none); ``--parallel K`` runs K runs' server pairs at once, each on its own ports.
 
@@ -47,13 +47,13 @@ back), ``over_pool`` (1.5 x POOL
 tokens: more than one prefill rank holds), ``over_logical`` (2.5 x POOL: more than N = 2
 ranks hold, refused by the prefill). Decode generates 8 tokens greedily with their logprobs.
 The small-decode runs probe a decode that cannot hold what the prefill admits
-(decode_admission.py): ``decode_over`` (1.5 x DECODE_POOL: longer than decode's pool),
+(decode/admission.py): ``decode_over`` (1.5 x DECODE_POOL: longer than decode's pool),
 then ``decode_window`` (shorter than decode's pool, but its prompt + 512 reserved decode
 tokens are not) and, while it waits, ``short_behind`` (the short prompt); the clients give
 up after HANG_PROBE_S, the prefill after its bootstrap timeout (20 s in these runs).
 
 Both servers run SGLang's NSA top-k kernels replaced by the deterministic stand-ins of
-``sglang_cp_shared_kv.testing.stable_topk`` (``--stock-topk`` keeps the kernels; then
+``sglang_cp_shared_kv_testing.stable_topk`` (``--stock-topk`` keeps the kernels; then
 only positions <= index_topk are exact -- see docs/design.md), so the verdict is exact:
 
 * off_b = off, on = off (short, chunked, radix_hit, radix_again), and over_pool and
@@ -92,9 +92,9 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS
-from sglang_cp_shared_kv.testing import pd_servers, shared_gpu
-from sglang_cp_shared_kv.testing.pd_servers import (
+from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
+from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
+from sglang_cp_shared_kv_testing.pd_servers import (
     ABORT_CAUSE,
     AT_ONCE_S,
     CAUSE_PREFIX,
@@ -107,8 +107,8 @@ from sglang_cp_shared_kv.testing.pd_servers import (
     same_answer,
     summarize_decode,  # noqa: F401 -- as NEW_TOKENS
 )
-from sglang_cp_shared_kv.testing.pd_servers import PdRun as Run
-from sglang_cp_shared_kv.testing.server import (
+from sglang_cp_shared_kv_testing.pd_servers import PdRun as Run
+from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
     WRITE_PATHS_METRIC,
     accumulate_runs,
@@ -225,7 +225,7 @@ def run_env(args, run: Run):
 
 def verdict(runs, cp_size=2):
     """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's."""
-    from sglang_cp_shared_kv.config import FLAG
+    from sglang_cp_shared_kv.settings.config import FLAG
 
     checks = {}
     for run, base, names in EXACT:
@@ -408,7 +408,7 @@ def main() -> int:
     ap.add_argument("--boot-timeout", type=int, default=480)
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
     ap.add_argument("--share-gpu", action="store_true",
-                    help="every rank of both servers on GPU 0 (correctness only: testing/shared_gpu.py)")
+                    help="every rank of both servers on GPU 0 (correctness only: sglang_cp_shared_kv_testing/shared_gpu.py)")
     ap.add_argument("--parallel", type=int, default=1, help="runs whose server pairs go at once (default 1)")
     args = ap.parse_args()
     if not 1 <= args.cp_size <= 8:

@@ -35,8 +35,8 @@ from pathlib import Path
 import e2e_cp_logprobs as e2e  # this script's own folder is on sys.path
 import repro_cp_uneven_split as uneven
 
-from sglang_cp_shared_kv.testing import shared_gpu
-from sglang_cp_shared_kv.testing.server import accumulate_runs, post, startup_figures, stop, write_model
+from sglang_cp_shared_kv_testing import shared_gpu
+from sglang_cp_shared_kv_testing.server import accumulate_runs, post, startup_figures, stop, write_model
 
 #: NOTE: beyond the uneven repro's marks, a server that does not boot says why in a ValueError
 #: (SGLang's own argument and weight-shape checks)

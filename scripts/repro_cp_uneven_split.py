@@ -11,7 +11,7 @@ Answer (2026-12-04, ``docs/results/repro_cp_uneven_split_h200.json``): stock sur
 stand-in did not. Why, found since: in-seq split pads the chunk to a multiple of N (1,500 ->
 1,504 rows, 188 on every rank) and the indexer asks the 4 padding rows for page-table entries
 past the request's table copy, which the stock kernel reads unchecked and the old stand-in
-indexed (``testing/stable_topk.py`` follows the kernel since; an earlier reading here, "ranks
+indexed (``sglang_cp_shared_kv_testing/stable_topk.py`` follows the kernel since; an earlier reading here, "ranks
 0-3 one row short", was wrong).
 
 Usage (one GPU, as scripts/gpu_session.sh prepares it): python scripts/repro_cp_uneven_split.py
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import e2e_cp_logprobs as e2e  # this script's own folder is on sys.path
 
-from sglang_cp_shared_kv.testing.server import stop, write_model
+from sglang_cp_shared_kv_testing.server import stop, write_model
 
 
 #: what a stopped scheduler leaves in its log: a CUDA assert, the exception it raised, running out of

@@ -18,7 +18,7 @@ the prefill's pool ``--pool`` tokens per rank, decode's DECODE_POOL = (2N - 1) /
          requests ended, mid-load (the first ``--fault-requests`` of the plan, decode's
          waiting timeout FAULT_WAITING_TIMEOUT_S): judged
 
-The load (``sglang_cp_shared_kv.testing.pd_load``, deterministic from ``--seed``):
+The load (``sglang_cp_shared_kv_testing.pd_load``, deterministic from ``--seed``):
 ``--requests`` requests (>= 200 to pass) from ``--clients`` concurrent clients (>= 8), each
 request posted to both servers with its own bootstrap room and request id, decode generating
 8 tokens greedily with their logprobs: fresh prompts from 16 tokens to one rank's pool,
@@ -42,7 +42,7 @@ Checks (``checks`` in the JSON, each with its figures; ``stock`` holds the off p
 * the prefill's radix cache hit the shared prefixes and evicted them;
 * no leaked page on any prefill CP rank and on decode, read from the allocators after the
   load, once every scheduler went idle: the plugin's idle pool audit
-  (``sglang_cp_shared_kv.idle_pool_audit``: SGLang's own idle check and the pool page by
+  (``sglang_cp_shared_kv.observability.idle_pool_audit_v0512``: SGLang's own idle check and the pool page by
   page, published on ``/metrics`` with ``--enable-metrics``), and no leak line of SGLang's
   own idle check in either log (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0``: a leak is
   logged and the server kept up to be measured, not stopped);
@@ -81,12 +81,12 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional
 
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS
-from sglang_cp_shared_kv.idle_pool_audit import AUDIT_METRIC, leak_found
-from sglang_cp_shared_kv.server_args import IN_SEQ_SPLIT_CP_SIZES
-from sglang_cp_shared_kv.testing import pd_servers, shared_gpu
-from sglang_cp_shared_kv.testing.pd_load import (
+from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
+from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, leak_found
+from sglang_cp_shared_kv.settings.server_args import IN_SEQ_SPLIT_CP_SIZES
+from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
+from sglang_cp_shared_kv_testing.pd_load import (
     LoadShape,
     PlannedRequest,
     latency_summary,
@@ -95,7 +95,7 @@ from sglang_cp_shared_kv.testing.pd_load import (
     rid_of,
     run_load,
 )
-from sglang_cp_shared_kv.testing.pd_servers import (
+from sglang_cp_shared_kv_testing.pd_servers import (
     ABORT_CAUSE,
     AT_ONCE_S,
     PAGES_SENT_METRIC,
@@ -106,7 +106,7 @@ from sglang_cp_shared_kv.testing.pd_servers import (
     refused_at_once,
     same_answer,
 )
-from sglang_cp_shared_kv.testing.server import (
+from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
     accumulate_runs,
     flush_cache,
@@ -394,7 +394,7 @@ def run_phase(name: str, args, work: Path) -> Dict:
         ended = [r["decode"]["status"] for r in load["requests"]]
         print(f"[soak] {name}: load ended in {load['wall_s']} s: " + ", ".join(
             f"{s} {ended.count(s)}" for s in sorted(set(ended))), flush=True)
-        if phase.flag_on:  # the audit is the flag's (idle_pool_audit.py)
+        if phase.flag_on:  # the audit is the flag's (observability/idle_pool_audit_v0512.py)
             ranks = {"decode": 1} if phase.kill_rank else {"prefill": args.cp_size, "decode": 1}
             record["idle_audit"] = wait_for_idle_audits(ports, ranks, load["t_end_unix"] + SETTLE_S,
                                                         args.idle_wait if args.idle_wait is not None else IDLE_WAIT_S)
@@ -737,7 +737,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
     ap.add_argument("--share-gpu", action="store_true",
-                    help="every rank of both servers on GPU 0 (correctness only: testing/shared_gpu.py)")
+                    help="every rank of both servers on GPU 0 (correctness only: sglang_cp_shared_kv_testing/shared_gpu.py)")
     ap.add_argument("--parallel", type=int, default=1, help="phases whose server pairs go at once (default 1)")
     ap.add_argument("--port", type=int, default=33000, help="the first phase's prefill port")
     ap.add_argument("--boot-timeout", type=int, default=480)

@@ -21,7 +21,7 @@ def test_no_code_copied_from_sglang():
 def test_pure_modules_import_no_sglang():
     """The layout, geometry, planner and the transfer arithmetic run where SGLang and torch
     are absent (and import fast)."""
-    code = ("import sys; import sglang_cp_shared_kv.cp_shared_kv_layout, sglang_cp_shared_kv.planner, "
+    code = ("import sys; import sglang_cp_shared_kv.cp_shared_kv_layout, sglang_cp_shared_kv.pool.planner, "
             "sglang_cp_shared_kv.__main__, sglang_cp_shared_kv.transfer.pages, "
             "sglang_cp_shared_kv.transfer.failure_cause; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('sglang', 'torch')))")

@@ -17,8 +17,8 @@ import os
 import sys
 from typing import List, Optional
 
-from sglang_cp_shared_kv.kv_geometry import BUNDLED_MODELS, KV_CACHE_DTYPES, ModelConfigError, NsaModelShape
-from sglang_cp_shared_kv.planner import format_plan, plan_capacity
+from sglang_cp_shared_kv.pool.kv_geometry import BUNDLED_MODELS, KV_CACHE_DTYPES, ModelConfigError, NsaModelShape
+from sglang_cp_shared_kv.pool.planner import format_plan, plan_capacity
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions as SelfcheckDefaults
 
 PROG = "python -m sglang_cp_shared_kv"
@@ -110,21 +110,21 @@ def selfcheck(args, parser) -> int:
                                    device=args.device, inject=args.inject)
     except SelfcheckArgumentError as exc:
         parser.exit(2, f"{PROG} selfcheck: error: {exc}\n")
-    from sglang_cp_shared_kv import sglang_api as sg
+    from sglang_cp_shared_kv.releases import installed as releases
 
-    installed = sg.installed_sglang_version()
-    if sg.table_version(installed) is None:
+    release = releases.INSTALLED
+    if release is None:
         parser.exit(2, f"{PROG} selfcheck: error: it drives the classes of sglang "
-                       f"{' or '.join(sg.SGLANG_VERSIONS_WITH_TABLES)}, and the installed sglang is "
-                       f"{installed or 'not found'}; run it in the environment of scripts/bootstrap.sh test "
-                       f"(or test-0.5.23)\n")
-    if installed == sg.SGLANG_VERSION_0523 and options.device == "cuda":
-        # NOTE: 0.5.23 needs torch 2.14.1, which no GPU this project has run on carries
-        parser.exit(2, f"{PROG} selfcheck: error: --device cuda on sglang {installed} has not been built: no GPU "
-                       f"image with its torch has run it; use --device cpu here, or --device cuda in the "
-                       f"sglang {sg.SGLANG_VERSION} environment\n")
+                       f"{' or '.join(r.version for r in releases.SUPPORTED)}, and the installed sglang is "
+                       f"{releases.INSTALLED_VERSION or 'not found'}; run it in the environment of "
+                       f"scripts/bootstrap.sh {' (or '.join(r.bootstrap_target for r in releases.SUPPORTED)})\n")
+    if not release.gpu_verified and options.device == "cuda":
+        # NOTE: such a release's torch is on no GPU image this project has run on (0.5.23: torch 2.14.1)
+        parser.exit(2, f"{PROG} selfcheck: error: --device cuda on sglang {release.version} has not been built: no "
+                       f"GPU image with its torch has run it; use --device cpu here, or --device cuda in the "
+                       f"sglang {releases.RECOMMENDED.version} environment\n")
     if importlib.util.find_spec("mooncake") is None:
-        target = "test-0.5.23" if installed == sg.SGLANG_VERSION_0523 else "test"
+        target = release.bootstrap_target
         parser.exit(2, f"{PROG} selfcheck: error: the Mooncake transfer engine is not installed; on a CPU machine "
                        f"run scripts/bootstrap.sh {target} (mooncake-transfer-engine-non-cuda, needs libibverbs1), "
                        "with CUDA 13 pip install mooncake-transfer-engine-cuda13\n")

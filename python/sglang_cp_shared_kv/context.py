@@ -14,12 +14,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
-from sglang_cp_shared_kv.config import nvtx_enabled
+from sglang_cp_shared_kv.settings.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.agreement import ForwardAgreement
 from sglang_cp_shared_kv.kernels import KernelDispatch
-from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
-from sglang_cp_shared_kv.stage_timer import StageTimer
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
+from sglang_cp_shared_kv.observability.stage_timer import StageTimer
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class CpSharedKVContext:
     #: time per stage of this rank's work (``SGLANG_CP_SHARED_KV_NVTX=1`` at startup); None: off
     stage_timer: Optional[StageTimer] = None
     #: forwards by how their chunk rows reached the shards, (index, MLA) -> count, each
-    #: "local" (stored by the computing rank, ``forward.local_writes``) or "gathered" (phase 3)
+    #: "local" (stored by the computing rank, ``forward.local_writes_v0512``) or "gathered" (phase 3)
     write_paths: Counter = field(default_factory=Counter)
     #: with ``--enable-metrics``: ``write_paths`` is also counted in Prometheus,
     #: ``sglang:cp_shared_kv_prefill_forwards_total{cp_rank,index,mla}``

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.settings.config import FLAG
 
 
 class CpSharedKVHookError(RuntimeError):
@@ -101,9 +101,11 @@ def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
 
 
 def _why_hooks_miss() -> str:
-    version = sg.installed_sglang_version()
-    if sg.table_version(version) is None:
-        return sg.unsupported_base_problem(version)
+    from sglang_cp_shared_kv.releases import installed
+
+    version = installed.INSTALLED_VERSION
+    if installed.INSTALLED is None:
+        return installed.unsupported_base_problem(version)
     return (f"sglang {version} is a release the plugin has hooks for, so another plugin or a patched SGLang replaced "
             "these targets: load sglang-cp-shared-kv alone (SGLANG_PLUGINS=cp_shared_kv) or drop the flag")
 

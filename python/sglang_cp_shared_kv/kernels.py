@@ -33,8 +33,8 @@ from typing import Callable, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.config import debug_enabled
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv.settings.config import debug_enabled
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
 

@@ -1,23 +1,22 @@
 """SGLang plugin entry point (group ``sglang.srt.plugins``, name ``cp_shared_kv``).
 
-``register`` only registers hooks, the table of the installed SGLang release
-(:func:`hooks_for`, read from the installed distribution): :data:`HOOKS` on the release
-the GPU-verified release (``sglang_api.SGLANG_VERSION``); on 0.5.23 its own table
-(:func:`_table_0523`: the flag and its alias validated in 0.5.23's terms, the pool and
-capacity, the forward path under interleave CP, the decode server and the PD transfer);
-on any other :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why.
-:data:`HOOKS` is the one table of every SGLang target the plugin hooks (the SGLang
-symbols it imports are the other table, :mod:`sglang_cp_shared_kv.sglang_api`). Each hook
-lives in the module of its concern and passes straight through to SGLang unless
-``--enable-nsa-prefill-cp-shared-kv`` is set. With the flag on, startup verifies that
-every hook below is in place (:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start
-otherwise.
+``register`` only registers hooks: the table of the installed SGLang release
+(:func:`hooks_for`, :data:`.releases.installed.INSTALLED`), one per release
+(:func:`_hooks_v0512`, :func:`_hooks_v0523`: the flag validated in the release's terms, the
+pool and capacity, the forward path under its CP strategy, the decode server and the PD
+transfer), each in one block per concern package; on a release the plugin does not serve,
+:data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why. These tables name
+every SGLang target the plugin hooks (the SGLang symbols it imports are the other table,
+:mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
+passes straight through to SGLang unless ``--enable-nsa-prefill-cp-shared-kv`` is set. With
+the flag on, startup verifies that every hook below is in place
+(:mod:`sglang_cp_shared_kv.hook_check`) and refuses to start otherwise.
 
 NOTE: the modules holding the hooks subclass SGLang classes when they are imported, which
-on an unsupported release fails (0.5.23 has no ``NSATokenToKVPool``). SGLang imports this
-module in every process, so it imports them only once the release is known to be
-supported (:data:`HOOKS` is built on first use), and the unsupported path needs only :mod:`.server_args`'s
-parser hook, which touches no SGLang symbol.
+on another release fails (0.5.23 has no ``NSATokenToKVPool``). SGLang imports this module in
+every process, so a table imports them only when it is built (on first use), and the
+unsupported path needs only :mod:`.settings.server_args`'s parser hook, which touches no
+SGLang symbol.
 """
 
 from __future__ import annotations
@@ -25,9 +24,11 @@ from __future__ import annotations
 import functools
 from typing import Optional, Tuple
 
-from sglang_cp_shared_kv import server_args
-from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hook_check import RESOLUTION, HookSpec, register_hooks
+from sglang_cp_shared_kv.releases import v0512, v0523
+from sglang_cp_shared_kv.releases.installed import INSTALLED
+from sglang_cp_shared_kv.releases.release import Release
+from sglang_cp_shared_kv.settings import server_args
 
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
 _KV_MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin"
@@ -80,9 +81,11 @@ def _forward_agreement_hook() -> HookSpec:
 
 
 @functools.cache
-def _hook_table() -> Tuple[HookSpec, ...]:
-    """The hook table of the supported release (imports the modules that hold the hooks)."""
-    from sglang_cp_shared_kv import capacity, decode_server, idle_pool_audit, metrics
+def _hooks_v0512() -> Tuple[HookSpec, ...]:
+    """SGLang 0.5.12.post1 (imports the modules that hold the hooks)."""
+    from sglang_cp_shared_kv.pool import capacity
+    from sglang_cp_shared_kv.decode import server as decode_server
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit, metrics
     from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.transfer import hooks as transfer
 
@@ -129,16 +132,18 @@ def _hook_table() -> Tuple[HookSpec, ...]:
 
 
 @functools.cache
-def _table_0523() -> Tuple[HookSpec, ...]:
-    """SGLang 0.5.23: the settings layer (:mod:`.server_args_dsa`), the
-    pool and capacity (:mod:`.capacity_dsa`), the forward path under interleave CP
-    (:mod:`.forward.hooks_dsa`), the decode server (:mod:`.decode_server_dsa`) and the PD
-    transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_dsa` where 0.5.23 changed the
+def _hooks_v0523() -> Tuple[HookSpec, ...]:
+    """SGLang 0.5.23: the settings layer (:mod:`.settings.server_args_v0523`), the
+    pool and capacity (:mod:`.pool.capacity_v0523`), the forward path under interleave CP
+    (:mod:`.forward.hooks_v0523`), the decode server (:mod:`.decode.server_v0523`) and the PD
+    transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_v0523` where 0.5.23 changed the
     target's shape)."""
-    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, metrics
-    from sglang_cp_shared_kv import server_args_dsa as dsa
-    from sglang_cp_shared_kv.forward import hooks_dsa as forward
-    from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
+    from sglang_cp_shared_kv.pool import capacity_v0523 as capacity_dsa
+    from sglang_cp_shared_kv.decode import server_v0523 as decode_server_dsa
+    from sglang_cp_shared_kv.observability import metrics
+    from sglang_cp_shared_kv.settings import server_args_v0523 as dsa
+    from sglang_cp_shared_kv.forward import hooks_v0523 as forward
+    from sglang_cp_shared_kv.transfer import hooks_v0523 as transfer_dsa
 
     return (
         HookSpec(f"{_SERVER_ARGS}.add_cli_args", dsa.add_flag_and_alias_to_parser, "after"),
@@ -174,25 +179,27 @@ def _table_0523() -> Tuple[HookSpec, ...]:
     )
 
 
-#: On an SGLang release without a table (``sglang_api.SUPPORTED_SGLANG_VERSIONS``): the
+#: Each served release's table, built on first use (module docstring).
+_TABLES = {v0512.RELEASE: _hooks_v0512, v0523.RELEASE: _hooks_v0523}
+
+#: On an SGLang release the plugin does not serve (``releases.installed.SUPPORTED``): the
 #: flag alone, which refuses to start, naming the supported releases.
 UNSUPPORTED_BASE_HOOKS = (
     HookSpec(f"{_SERVER_ARGS}.add_cli_args", server_args.add_refusing_flag_to_parser, "after"),
 )
 
 
-def __getattr__(name: str):
-    if name == "HOOKS":  # built on first use (module docstring), then always the same tuple
-        return _hook_table()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def hooks_for(sglang_version: Optional[str]) -> Tuple[HookSpec, ...]:
-    """The hook table of an installed SGLang release."""
-    tables = {sg.SGLANG_VERSION: _hook_table, sg.SGLANG_VERSION_0523: _table_0523}
-    table = tables.get(sg.table_version(sglang_version))
+def hooks_for(release: Optional[Release]) -> Tuple[HookSpec, ...]:
+    """The hook table of ``release`` (None: a release the plugin does not serve)."""
+    table = _TABLES.get(release)
     return table() if table is not None else UNSUPPORTED_BASE_HOOKS
 
 
+def __getattr__(name: str):
+    if name == "HOOKS":  # the installed release's table, built on first use (module docstring)
+        return hooks_for(INSTALLED)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def register() -> None:
-    register_hooks(hooks_for(sg.installed_sglang_version()))
+    register_hooks(hooks_for(INSTALLED))

@@ -14,11 +14,11 @@ scheduler processes SGLang spawns. It
   owned pages swapped (each lands on decode at the other's position): the PD negative
   control (scripts/e2e_pd_gpu.py), which decode's output must show;
 * with CPSKV_E2E_STABLE_TOPK=1, replaces SGLang's NSA top-k kernels (``sgl_kernel``) by
-  the deterministic stand-ins of ``sglang_cp_shared_kv.testing.stable_topk`` (same keys,
+  the deterministic stand-ins of ``sglang_cp_shared_kv_testing.stable_topk`` (same keys,
   in key order), so that repeated runs -- flag off and on alike -- are bit-identical
   past index_topk keys too;
 * with CPSKV_E2E_SHARE_GPU=1, puts every TP rank of the server on ``cuda:0``: several CP
-  ranks share one GPU (correctness runs only; see ``sglang_cp_shared_kv.testing.shared_gpu``);
+  ranks share one GPU (correctness runs only; see ``sglang_cp_shared_kv_testing.shared_gpu``);
 * with CPSKV_E2E_STALL_WRITE_RANK=r, prefill CP rank r holds its first Mooncake write for
   CPSKV_E2E_STALL_WRITE_S seconds (default 30): a request aborted meanwhile is aborted
   mid-transfer (scripts/e2e_pd_gpu.py, run ``on_abort``).
@@ -97,7 +97,7 @@ if os.environ.get("CPSKV_E2E") == "1":
             return physical, positions
 
         module.PrefillShardTransfer.owned_pages = duplicated
-        from sglang_cp_shared_kv.testing.server import CORRUPTING_SENDS_LINE
+        from sglang_cp_shared_kv_testing.server import CORRUPTING_SENDS_LINE
 
         print(f"[cpskv-e2e] CP rank {rank} {CORRUPTING_SENDS_LINE} (pid {os.getpid()})", flush=True)
 
@@ -106,7 +106,7 @@ if os.environ.get("CPSKV_E2E") == "1":
             m, int(os.environ["CPSKV_E2E_CORRUPT_SEND_RANK"]))
 
     def _stable_topk(module):
-        from sglang_cp_shared_kv.testing.stable_topk import STAND_INS
+        from sglang_cp_shared_kv_testing.stable_topk import STAND_INS
 
         for name, stand_in in STAND_INS.items():
             setattr(module, name, stand_in)
@@ -124,7 +124,7 @@ if os.environ.get("CPSKV_E2E") == "1":
 
         @functools.wraps(original)
         def run_scheduler_process(server_args, port_args, gpu_id, tp_rank, *args, **kwargs):
-            from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
+            from sglang_cp_shared_kv_testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
 
             # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU detected")
             # unless each believes it is a host of its own: then it uses its socket transport
@@ -144,7 +144,7 @@ if os.environ.get("CPSKV_E2E") == "1":
 
         def stalling(self, original, kv_mgr, mooncake_session_id, transfer_blocks):
             if self.layout.cp_rank == rank and not stalled:
-                from sglang_cp_shared_kv.testing.server import STALLED_WRITE_LINE
+                from sglang_cp_shared_kv_testing.server import STALLED_WRITE_LINE
 
                 stalled.append(True)
                 print(f"[cpskv-e2e] CP rank {rank} {STALLED_WRITE_LINE} {seconds} s (pid {os.getpid()})", flush=True)
@@ -163,7 +163,7 @@ if os.environ.get("CPSKV_E2E") == "1":
         """Position-weighted byte sums of each page's first ``valid`` rows (MLA, index K + scale)."""
         import torch
 
-        from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as page
+        from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as page
 
         def weighted(data):
             data = data.contiguous().view(torch.uint8).reshape(-1).to(torch.int64)
@@ -187,7 +187,7 @@ if os.environ.get("CPSKV_E2E") == "1":
             f.write(json.dumps(record) + "\n")
 
     def _request_pages(req_to_token, req):
-        from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as page
+        from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as page
 
         seq = len(req.origin_input_ids)
         locs = req_to_token[req.req_pool_idx, :seq]

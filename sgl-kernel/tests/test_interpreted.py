@@ -40,7 +40,7 @@ def _convert_float_rne(data, input_dtype, output_dtype, rounding_mode):
 interpreter._convert_float = _convert_float_rne
 
 import sglang_cp_shared_kv_kernel as K  # noqa: E402
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE  # noqa: E402
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE  # noqa: E402
 
 np.seterr(all="ignore")  # masked-out lanes divide by zero in numpy
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.allocator import (
+from sglang_cp_shared_kv.pool.allocator import (
     CpSharedPagedTokenToKVPoolAllocator,
     compute_owner_order,
     compute_owner_order_on_device,

@@ -3,7 +3,7 @@
 
 import pytest
 
-from sglang_cp_shared_kv.testing.cp_harness import run_cp_group
+from sglang_cp_shared_kv_testing.cp_harness import run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback", "aligned_chunked_prefill", "aligned_radix_hit",

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import sglang_cp_shared_kv_kernel as K
-from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.settings.config import DEBUG_ENV
 from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward import hooks
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
 
 DEVICE = "cuda"
 
@@ -40,7 +40,7 @@ def cp(monkeypatch):
     from sglang.srt import server_args as sa
     from sglang.srt.layers.utils import cp_utils
 
-    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+    from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
 
     monkeypatch.setattr(sa, "_global_server_args", SimpleNamespace(
         enable_nsa_prefill_context_parallel=True, nsa_prefill_cp_mode="in-seq-split", enable_symm_mem=False))

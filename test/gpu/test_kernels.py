@@ -15,10 +15,10 @@ import torch
 
 import sglang_cp_shared_kv_kernel as K
 from sglang_cp_shared_kv import kernels
-from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.settings.config import DEBUG_ENV
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.kernels import KernelDispatch
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
 
 DEVICE = "cuda"
 SEEDS = range(6)

@@ -5,7 +5,7 @@ order depends on its atomics."""
 import pytest
 import torch
 
-from sglang_cp_shared_kv.testing import stable_topk as st
+from sglang_cp_shared_kv_testing import stable_topk as st
 
 TOPK = 2048
 
@@ -85,9 +85,9 @@ KERNEL_PATHS = {"paged": dict(paged=True), "ragged": dict(paged=False), "unfused
 
 @pytest.fixture(scope="module")
 def sglang_0512():
-    from sglang_cp_shared_kv import sglang_api
+    from sglang_cp_shared_kv.releases import installed, v0512
 
-    if sglang_api.installed_sglang_version() != sglang_api.SGLANG_VERSION:
+    if installed.INSTALLED is not v0512.RELEASE:
         pytest.skip("the in-seq split is SGLang 0.5.12.post1's")
 
 

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.testing.torch_standins import alloc_decode_reference, alloc_extend_reference
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv_testing.torch_standins import alloc_decode_reference, alloc_extend_reference
 
 
 def _free_pages(n, device, seed):
@@ -62,7 +62,7 @@ def test_mla_store_standins_match_sglang(dtype_name, rows):
     from sglang.srt.layers.attention.nsa.quant_k_cache import quantize_k_cache_separate
     from sglang.srt.mem_cache.utils import set_mla_kv_buffer_triton
 
-    from sglang_cp_shared_kv.testing.torch_standins import (
+    from sglang_cp_shared_kv_testing.torch_standins import (
         quantize_k_cache_separate_reference,
         set_mla_kv_buffer_reference,
     )
@@ -91,7 +91,7 @@ def test_mla_store_standins_match_sglang(dtype_name, rows):
 def test_act_quant_standin_matches_triton(scale_fmt):
     from sglang.srt.layers.attention.nsa.triton_kernel import act_quant
 
-    from sglang_cp_shared_kv.testing.torch_standins import act_quant_reference
+    from sglang_cp_shared_kv_testing.torch_standins import act_quant_reference
 
     g = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(777, 128, generator=g, device="cuda").to(torch.bfloat16) * 5
@@ -105,7 +105,7 @@ def test_act_quant_standin_matches_triton(scale_fmt):
 def test_index_accessor_standins_match_triton():
     from sglang.srt.layers.attention.nsa import index_buf_accessor as acc
 
-    from sglang_cp_shared_kv.testing.torch_standins import (
+    from sglang_cp_shared_kv_testing.torch_standins import (
         get_k_and_s_reference,
         get_k_reference,
         get_s_reference,

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sglang_cp_shared_kv.testing.support import TINY_DSV3, TINY_DSV32, free_port
+from sglang_cp_shared_kv_testing.support import TINY_DSV3, TINY_DSV32, free_port
 
 
 def _model_dir(tmp_path_factory, name, config):
@@ -68,9 +68,9 @@ def sglang_world_of_one():
 def triton_standins(monkeypatch):
     """Swap SGLang's Triton kernels that cannot run on a CPU (allocator, MLA store, fp8 KV
     quantization, index quantization and index buffer accessors) for the torch equivalents
-    in sglang_cp_shared_kv/testing/torch_standins.py, which test/gpu proves equal to the
+    in sglang_cp_shared_kv_testing/torch_standins.py, which test/gpu proves equal to the
     real kernels. The only place CPU tests replace SGLang code (the CP harness installs the
     same table)."""
-    from sglang_cp_shared_kv.testing import torch_standins
+    from sglang_cp_shared_kv_testing import torch_standins
 
     torch_standins.install(monkeypatch.setattr)

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_shared_kv.allocator import (
+from sglang_cp_shared_kv.pool.allocator import (
     CpSharedPagedTokenToKVPoolAllocator,
     compute_owner_order,
     compute_owner_order_on_device,
 )
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.page_split import page_aligned_split
-from sglang_cp_shared_kv.testing.allocation import allocation_standins
+from sglang_cp_shared_kv.pool.page_split import page_aligned_split
+from sglang_cp_shared_kv_testing.allocation import allocation_standins
 
 
 @st.composite
@@ -70,7 +70,7 @@ def test_a_lane_fallback_is_counted_and_warned_once(caplog):
     allocator = _allocator(2, 12)
     # leave rank 1's lane a single free page, so no 4-page chunk can be compute-owner
     allocator.free_pages = allocator.free_pages[(allocator.free_pages % 2 == 1) | (allocator.free_pages == 2)]
-    with allocation_standins(), caplog.at_level(logging.DEBUG, logger="sglang_cp_shared_kv.allocator"):
+    with allocation_standins(), caplog.at_level(logging.DEBUG, logger="sglang_cp_shared_kv.pool.allocator"):
         first = allocator.alloc_extend(t(0), t(0), t(256), t(256), t(-1), 256)
         second = allocator.alloc_extend(t(0), t(0), t(256), t(256), t(-1), 256)
         stats = allocator.stats  # reads (and logs) the decisions not yet read
@@ -83,7 +83,7 @@ def test_a_lane_fallback_is_counted_and_warned_once(caplog):
 def test_a_pool_out_of_pages_is_sglangs_out_of_memory_not_a_lane_fallback(caplog):
     t = lambda v: torch.tensor([v], dtype=torch.int64)  # noqa: E731
     allocator = _allocator(2, 2)  # 4 free pages in all
-    with allocation_standins(), caplog.at_level(logging.DEBUG, logger="sglang_cp_shared_kv.allocator"):
+    with allocation_standins(), caplog.at_level(logging.DEBUG, logger="sglang_cp_shared_kv.pool.allocator"):
         assert allocator.alloc_extend(t(0), t(0), t(320), t(320), t(-1), 320) is None  # 5 pages
         stats = allocator.stats
     assert (stats.compute_owner_chunks, stats.lane_fallbacks) == (0, 0)

@@ -4,12 +4,12 @@ import logging
 
 import pytest
 
-from sglang_cp_shared_kv import capacity
-from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
-from sglang_cp_shared_kv.capacity import PHYSICAL_TOKENS_ATTR, split_capacity
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
-from sglang_cp_shared_kv.testing.cpu_model_runner import CpuNsaModelRunner
-from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
+from sglang_cp_shared_kv.pool import capacity
+from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.pool.capacity import PHYSICAL_TOKENS_ATTR, split_capacity
+from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv_testing.cpu_model_runner import CpuNsaModelRunner
+from sglang_cp_shared_kv_testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env",
                                      "sglang_world_of_one")
@@ -58,7 +58,7 @@ def test_init_memory_pool_builds_shared_pool(tiny_nsa_model, caplog):
     stock = runner(tiny_nsa_model, rank=0, enable_nsa_prefill_cp_shared_kv=False)
     stock.init_memory_pool(0)
     shared = runner(tiny_nsa_model, rank=3)
-    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.capacity"):
+    with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.pool.capacity"):
         shared.init_memory_pool(0)
     pool, alloc = shared.token_to_kv_pool, shared.token_to_kv_pool_allocator
     assert isinstance(pool, CpSharedNSATokenToKVPool)
@@ -71,7 +71,7 @@ def test_init_memory_pool_builds_shared_pool(tiny_nsa_model, caplog):
     assert pool.get_kv_size_bytes() == stock.token_to_kv_pool.get_kv_size_bytes()
     assert shared.req_to_token_pool.size == stock.req_to_token_pool.size
     # one startup line with the figures operators look for
-    [line] = [r.getMessage() for r in caplog.records if r.name == "sglang_cp_shared_kv.capacity"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "sglang_cp_shared_kv.pool.capacity"]
     for field in (f"physical_tokens_per_rank={physical}", f"logical_tokens={4 * physical}", "cp_size=4",
                   "shard_policy=page_interleaved", f"kv_gb_per_rank={stock.token_to_kv_pool.mem_usage:.2f}"):
         assert field in line
@@ -86,10 +86,10 @@ def test_a_chunk_size_that_defeats_local_writes_is_named_at_startup(tiny_nsa_mod
     chunk is stored where it was computed; CP rank 0 says so once, naming a size that works."""
     for rank in (0, 1):
         shared = runner(tiny_nsa_model, rank=rank, chunked_prefill_size=6000)
-        with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.capacity"):
+        with caplog.at_level(logging.INFO, logger="sglang_cp_shared_kv.pool.capacity"):
             shared.init_memory_pool(0)
     warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == "sglang_cp_shared_kv.capacity"]
+                if r.levelno == logging.WARNING and r.name == "sglang_cp_shared_kv.pool.capacity"]
     assert len(warnings) == 1, warnings
     assert "--chunked-prefill-size 6000 is not a multiple of 2 x CP size x page size = 512" in warnings[0]
     assert "with --chunked-prefill-size 5632 the full chunks are stored where they are computed" in warnings[0]
@@ -108,7 +108,7 @@ def test_flag_off_builds_stock_pool(tiny_nsa_model):
 
 
 def test_scheduler_process_revalidates(tiny_nsa_model, monkeypatch):
-    from sglang_cp_shared_kv.server_args import CpSharedKVConfigError
+    from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError
 
     shared = runner(tiny_nsa_model)
     monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.page_split import page_aligned_split
-from sglang_cp_shared_kv.testing.allocation import request_pages
-from sglang_cp_shared_kv.testing.support import sglang_cp_utils_on_cpu
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.page_split import page_aligned_split
+from sglang_cp_shared_kv_testing.allocation import request_pages
+from sglang_cp_shared_kv_testing.support import sglang_cp_utils_on_cpu
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Shared KV is bit-exact against the replicated baseline on N = 2, 3, 4, 8 CP ranks.
 
-One process group per N runs every scenario (see sglang_cp_shared_kv/testing/cp_harness.py for what is
+One process group per N runs every scenario (see sglang_cp_shared_kv_testing/cp_harness.py for what is
 compared): bf16 and fp8 KV, SGLANG_DEBUG_CP_SHARED_KV on and off; the soak alternates
 the debug checks forward by forward; at N = 2, 3, 4 the chunked scenarios run again with
 the one-layer-ahead MLA history prefetch (phase 8) -- every all-gather's group recorded,
@@ -16,7 +16,7 @@ from collections import Counter
 
 import pytest
 
-from sglang_cp_shared_kv.testing.cp_harness import assert_clean, run_cp_group
+from sglang_cp_shared_kv_testing.cp_harness import assert_clean, run_cp_group
 
 SCENARIOS = ("single_chunk", "chunked_prefill", "radix_prefix_hit", "prefix_mid_page",
              "fewer_pages_than_ranks", "full_view_fallback", "aligned_chunked_prefill", "aligned_radix_hit")
@@ -255,7 +255,7 @@ def test_stage_timer_times_every_stage_of_every_forward(group):
 
 def test_one_host_synchronisation_per_forward_and_none_in_the_layers(group):
     """The plugin makes the host wait for the device once per forward -- the page map's sizes,
-    read before the first layer -- and never inside a layer (testing/host_syncs.py counts the
+    read before the first layer -- and never inside a layer (sglang_cp_shared_kv_testing/host_syncs.py counts the
     torch calls that synchronise on CUDA, by the plugin module that makes them): chunked
     prefill, radix hits, a prefix ending mid-page, full-view layers and local writes, with
     and without the prefetch."""

@@ -19,13 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.decode_admission import (
+from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv.decode.admission import (
     DEFAULT_RESERVED_DECODE_TOKENS,
     DecodeAdmission,
     decode_pool_tokens_for_context,
 )
-from sglang_cp_shared_kv.decode_server import admission_of
+from sglang_cp_shared_kv.decode.server import admission_of
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
 
@@ -38,7 +38,7 @@ def _pool_allocator():
     from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import NSATokenToKVPool
 
-    from sglang_cp_shared_kv.testing.pd.geometry import Geometry
+    from sglang_cp_shared_kv_testing.pd.geometry import Geometry
 
     tokens = POOL_PAGES * PAGE
     geometry = Geometry(layers=1, kv_lora_rank=64, qk_rope_head_dim=64, dtype="bf16", kv_cache_dim=128)
@@ -202,14 +202,14 @@ def test_each_decode_scheduler_checks_its_own_configuration_at_startup(tiny_nsa_
     scheduler process too (a node of a multi-node decode may run with another environment)."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_shared_kv.decode_server import check_decode_server
-    from sglang_cp_shared_kv.server_args import CpSharedKVConfigError
-    from sglang_cp_shared_kv.testing.support import decode_guard_kwargs
+    from sglang_cp_shared_kv.decode.server import check_decode_server
+    from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError
+    from sglang_cp_shared_kv_testing.support import decode_guard_kwargs
 
     monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     queue, _ = _queue(flag_on=True)
     queue.scheduler.server_args = ServerArgs(**decode_guard_kwargs(tiny_nsa_model))
-    with caplog.at_level("INFO", logger="sglang_cp_shared_kv.decode_server"):
+    with caplog.at_level("INFO", logger="sglang_cp_shared_kv.decode.server"):
         assert check_decode_server("init result", queue) == "init result"
     assert f"exceeds this pool's {POOL_PAGES * PAGE} tokens is refused at once" in caplog.text
     monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")

@@ -12,9 +12,9 @@ import subprocess
 
 import pytest
 
-from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
-from sglang_cp_shared_kv.testing.doc_commands import DOCS, ROOT, launch_commands, launch_server_args, shell_commands
+from sglang_cp_shared_kv.releases import v0512
+from sglang_cp_shared_kv.settings.config import FLAG, FLAG_DEST
+from sglang_cp_shared_kv_testing.doc_commands import DOCS, ROOT, launch_commands, launch_server_args, shell_commands
 
 SCRIPTS = sorted((ROOT / "scripts").rglob("*.sh")) + [ROOT / ".ci" / "run"]
 
@@ -37,7 +37,7 @@ def _parse_launch(parser, args):
 
 
 def _launch_commands():
-    return launch_commands(sg.SGLANG_VERSION)
+    return launch_commands(v0512.RELEASE)
 
 
 def test_docs_show_launch_commands():
@@ -153,8 +153,8 @@ def test_every_documented_launch_script_call_prints_a_command_sglang_parses(wher
 
 def test_deploy_planner_table_matches_the_planner():
     """docs/deploy.md's sizing table: every row recomputed at 25 GB per rank, 163,840 tokens."""
-    from sglang_cp_shared_kv.kv_geometry import GIB, NsaModelShape
-    from sglang_cp_shared_kv.planner import plan_capacity
+    from sglang_cp_shared_kv.pool.kv_geometry import GIB, NsaModelShape
+    from sglang_cp_shared_kv.pool.planner import plan_capacity
 
     text = (ROOT / "docs" / "deploy.md").read_text()
     rows = {"DeepSeek-V3.2 (61 layers), fp8_e4m3": ("deepseek-v3.2", "fp8_e4m3"),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.testing.support import load_script
+from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv_testing.support import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,7 +62,7 @@ def test_share_gpu_servers_fix_every_pool_and_take_their_own_ports(pd, plugin_lo
     the shared memory fraction, idle schedulers asleep; every run on ports of its own."""
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_shared_kv.testing import shared_gpu
+    from sglang_cp_shared_kv_testing import shared_gpu
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
@@ -306,7 +306,7 @@ def test_a_failed_run_is_reported_and_the_others_still_run(pd, tmp_path, monkeyp
 
 
 def test_a_run_whose_ranks_did_not_all_take_the_stable_topk_fails_its_check(pd):
-    from sglang_cp_shared_kv.testing.server import stable_topk_problem
+    from sglang_cp_shared_kv_testing.server import stable_topk_problem
 
     assert stable_topk_problem({"stable_topk_processes": 3}, "on prefill", Path("p.log"), 2) is None
     problem = stable_topk_problem({"stable_topk_processes": 1}, "on prefill", Path("p.log"), 2)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_shared_kv.testing import server
-from sglang_cp_shared_kv.testing.support import free_port, load_script
+from sglang_cp_shared_kv_testing import server
+from sglang_cp_shared_kv_testing.support import free_port, load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -60,7 +60,7 @@ FAKE_SGL_KERNEL = {  # the shape of sgl_kernel's package: __init__ binds the nam
 }
 CHECK_TOPK = """
 import sgl_kernel
-from sglang_cp_shared_kv.testing.stable_topk import STAND_INS
+from sglang_cp_shared_kv_testing.stable_topk import STAND_INS
 print("REPLACED", sum(getattr(sgl_kernel, name) is fn for name, fn in STAND_INS.items()))
 """
 
@@ -85,7 +85,7 @@ def test_stable_topk_switch_replaces_the_kernels_sglang_imports(tmp_path):
 
 
 def test_e2e_verdict_demands_bit_equality_with_the_stable_topk():
-    from sglang_cp_shared_kv.testing.support import load_script
+    from sglang_cp_shared_kv_testing.support import load_script
 
     e2e = load_script("e2e_cp_logprobs")
     same = {"near_max": 0.0, "far_max": 0.0, "far_mean": 0.0}
@@ -111,7 +111,7 @@ def test_an_installed_mooncake_engine_that_does_not_import_fails_instead_of_skip
 
     import pytest
 
-    from sglang_cp_shared_kv.testing import support
+    from sglang_cp_shared_kv_testing import support
 
     real_import = importlib.import_module
 
@@ -183,7 +183,7 @@ def test_share_gpu_switch_puts_every_rank_on_gpu_0_with_a_host_id_of_its_own(tmp
     """CPSKV_E2E_SHARE_GPU=1: each scheduler process SGLang spawns gets gpu_id 0 and an
     NCCL_HOSTID unique to its server and TP rank, set before anything else runs in it; the
     wrapper still pickles by the original's name (SGLang's spawn needs that)."""
-    from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
+    from sglang_cp_shared_kv_testing.shared_gpu import SHARED_GPU_LINE, nccl_host_id
 
     same, stock, _ = _scheduler_records(tmp_path / "stock", {"CPSKV_E2E": "1"})
     assert same and [r["gpu_id"] for r in stock] == [0, 3] and {r["nccl_host_id"] for r in stock} == {None}
@@ -197,8 +197,8 @@ def test_share_gpu_switch_puts_every_rank_on_gpu_0_with_a_host_id_of_its_own(tmp
 
 
 def test_a_run_whose_ranks_did_not_all_share_the_gpu_fails_its_check(tmp_path):
-    from sglang_cp_shared_kv.testing import shared_gpu
-    from sglang_cp_shared_kv.testing.server import startup_figures
+    from sglang_cp_shared_kv_testing import shared_gpu
+    from sglang_cp_shared_kv_testing.server import startup_figures
 
     log = "\n".join(f"{shared_gpu.SHARED_GPU_LINE} tp rank {r} (gpu {r}) on cuda:0" for r in range(3))
     figures = startup_figures(log)
@@ -212,7 +212,7 @@ def test_logprob_runs_check_capacity_at_every_cp_size():
     """e2e_cp_logprobs: over_rank_pool is over one rank's physical pool and under N of them
     (with room for the scheduler's margin); off_b must refuse it, on must serve it, the
     startup split must be exactly N x POOL, and every rank must have taken both write paths."""
-    from sglang_cp_shared_kv.testing.support import load_script
+    from sglang_cp_shared_kv_testing.support import load_script
 
     e2e = load_script("e2e_cp_logprobs")
     for n in (2, 3, 4, 8):
@@ -271,8 +271,8 @@ def test_logprob_runs_cover_chunks_sglang_pads():
     whose cache hit the run checks."""
     import torch
 
-    from sglang_cp_shared_kv.testing.stable_topk import STAND_INS, in_seq_split_topk_calls
-    from sglang_cp_shared_kv.testing.support import load_script
+    from sglang_cp_shared_kv_testing.stable_topk import STAND_INS, in_seq_split_topk_calls
+    from sglang_cp_shared_kv_testing.support import load_script
 
     e2e = load_script("e2e_cp_logprobs")
 
@@ -324,7 +324,7 @@ def json_copy(value):
 
 
 def test_a_prompt_off_b_refuses_is_judged_against_off_a_alone():
-    from sglang_cp_shared_kv.testing.support import load_script
+    from sglang_cp_shared_kv_testing.support import load_script
 
     e2e = load_script("e2e_cp_logprobs")
     same = {"near_max": 0.0, "far_max": 0.0, "far_mean": 0.0}
@@ -358,6 +358,6 @@ def test_stall_switch_holds_only_the_named_ranks_first_write():
     writes = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("WRITE")]
     held = {(rank, call) for rank, call, ret, seconds in writes if float(seconds) >= 1.5}
     assert held == {("1", "0")} and all(ret == "0" for _, _, ret, _ in writes)  # the write still goes ahead
-    from sglang_cp_shared_kv.testing.server import STALLED_WRITE_LINE
+    from sglang_cp_shared_kv_testing.server import STALLED_WRITE_LINE
 
     assert out.stdout.count(STALLED_WRITE_LINE) == 1

@@ -16,9 +16,9 @@ from sglang_cp_shared_kv.forward.hooks import (
     latent_kept_local,
     store_index_k_owned_and_dense,
 )
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.kv_geometry import mla_kv_cache_dim
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import mla_kv_cache_dim
+from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
 
 POOL_KWARGS = dict(page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64, layer_num=1,
                    device="cpu", index_head_dim=128, enable_memory_saver=False,

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed, v0512, v0523
 
 #: the kernel source and the header defining its fp8 bound, per release (relative to the
 #: installed ``sglang`` package)
 KERNEL_SOURCES = {
-    sg.SGLANG_VERSION: ("jit_kernel/csrc/nsa/fused_store_index_cache.cuh",
+    v0512.RELEASE.version: ("jit_kernel/csrc/nsa/fused_store_index_cache.cuh",
                         "jit_kernel/include/sgl_kernel/math.cuh", r"FP8_E4M3_MAX = ([0-9.]+)f;"),
-    sg.SGLANG_VERSION_0523: ("kernels/jit/csrc/dsa/fused_store_index_cache.cuh",
+    v0523.RELEASE.version: ("kernels/jit/csrc/dsa/fused_store_index_cache.cuh",
                              "kernels/jit/include/sgl_kernel/type.cuh", r"kFP8E4M3Max = ([0-9.]+)f;"),
 }
 #: sha256 of the normalized kernel source; the same for 0.5.12.post1 and 0.5.23 (measured
@@ -47,7 +47,7 @@ def _sglang_root() -> Path:
 
 
 def _installed_sources():
-    version = sg.installed_sglang_version()
+    version = installed.INSTALLED_VERSION
     if version not in KERNEL_SOURCES:
         pytest.skip(f"no kernel source known for sglang {version}")
     kernel, header, bound = KERNEL_SOURCES[version]

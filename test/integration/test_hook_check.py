@@ -2,9 +2,10 @@
 
 import pytest
 
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv import hook_check, plugin
 from sglang_cp_shared_kv.hook_check import CpSharedKVHookError, HookSpec, missing_hooks, require_hooks_applied
-from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
+from sglang_cp_shared_kv_testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded")
 
@@ -30,7 +31,6 @@ def _noop_after(result, *args, **kwargs):
 def test_broken_target_is_named(monkeypatch):
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_cp_shared_kv import sglang_api as sg
 
     broken = HookSpec("sglang.srt.server_args.ServerArgs.no_such_method", _noop_after, "after")
     HookRegistry.register(broken.target, broken.hook)
@@ -41,8 +41,9 @@ def test_broken_target_is_named(monkeypatch):
         message = str(exc.value)
         assert "1 of" in message and "ServerArgs.no_such_method: not applied" in message
         # on a supported release the cause is elsewhere: another plugin or a patched SGLang
-        assert f"sglang {sg.installed_sglang_version()} is a release the plugin has hooks for" in message
-        monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.22")
+        assert f"sglang {installed.INSTALLED_VERSION} is a release the plugin has hooks for" in message
+        monkeypatch.setattr(installed, "INSTALLED_VERSION", "0.5.22")
+        monkeypatch.setattr(installed, "INSTALLED", None)
         expected = r"runs on sglang==0\.5\.12\.post1 or sglang==0\.5\.23, and the installed sglang is 0\.5\.22"
         with pytest.raises(CpSharedKVHookError, match=expected):
             require_hooks_applied("test process", [broken, *plugin.HOOKS])

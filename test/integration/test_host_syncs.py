@@ -1,4 +1,4 @@
-"""The host-synchronisation counter the CP harness uses (testing/host_syncs.py): it counts
+"""The host-synchronisation counter the CP harness uses (sglang_cp_shared_kv_testing/host_syncs.py): it counts
 the torch calls that synchronise on CUDA when a plugin module makes them, filed by the
 phase the rig reports, and leaves torch as it was."""
 
@@ -7,7 +7,7 @@ import torch
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.batch_state import owned_rows_of
 from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
-from sglang_cp_shared_kv.testing.host_syncs import HostSyncCounter
+from sglang_cp_shared_kv_testing.host_syncs import HostSyncCounter
 
 
 def test_counts_the_plugins_synchronising_calls_by_phase_and_site():
@@ -52,7 +52,7 @@ def test_a_view_of_the_batchs_out_cache_loc_reuses_its_owned_rows_without_a_host
 
 
 def test_boolean_masks_and_repeat_interleave_without_a_size_count_the_rest_does_not():
-    from sglang_cp_shared_kv.testing import host_syncs
+    from sglang_cp_shared_kv_testing import host_syncs
 
     counter = HostSyncCounter()
     # calls made as if from a plugin module: route them through a function compiled with a

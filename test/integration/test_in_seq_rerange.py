@@ -1,5 +1,5 @@
 """The in-seq CP all-gather hook (``forward.hooks.all_gather_in_seq_order``, its work in
-``forward.in_seq_rerange``) against SGLang's own ``cp_all_gather_rerange_output``.
+``forward.in_seq_rerange_v0512``) against SGLang's own ``cp_all_gather_rerange_output``.
 
 * Multi-process (N = 2, 3, 4, 8 ranks over gloo, SGLang's attention-CP
   ``GroupCoordinator`` built as the CP harness builds it): SGLang's metadata builder
@@ -38,8 +38,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.testing.support import (
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv_testing.support import (
     all_gather_through_gloo,
     free_port,
     gloo_attention_cp_group,
@@ -49,7 +49,7 @@ from sglang_cp_shared_kv.testing.support import (
 
 REPO = Path(__file__).resolve().parents[2]
 WIDTHS = {"latent": 576, "index_key": 128, "hidden": 7168}  # bf16 rows as the model gathers them
-PRELOAD = ["sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.attention.nsa.utils", "sglang_cp_shared_kv.pool"]
+PRELOAD = ["sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.attention.nsa.utils", "sglang_cp_shared_kv.pool.kv_pool_v0512"]
 
 
 def lengths(n: int):
@@ -86,7 +86,7 @@ def build_metadata(total: int, cp_rank: int, cp_size: int):
 def shared_pool(n: int, rank: int):
     from sglang_cp_shared_kv.context import CpSharedKVContext
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+    from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
 
     return CpSharedNSATokenToKVPool(
         2 * PAGE * n, context=CpSharedKVContext(CpSharedKVLayout(PAGE, n, rank)), page_size=PAGE, kv_lora_rank=512,
@@ -111,7 +111,7 @@ class Recorder:
     def __init__(self, group):
         from sglang.srt.layers.utils import cp_utils
 
-        from sglang_cp_shared_kv.forward import in_seq_rerange
+        from sglang_cp_shared_kv.forward import in_seq_rerange_v0512 as in_seq_rerange
 
         self.calls = []
         self.paths = []
@@ -152,7 +152,7 @@ class RankRun:
     def __init__(self, rank: int, n: int, group):
         from sglang.srt.layers.utils import cp_utils
 
-        from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
+        from sglang_cp_shared_kv.forward import hooks, in_seq_rerange_v0512 as in_seq_rerange
 
         self.rank, self.n, self.group = rank, n, group
         self.cp_utils, self.hook_module, self.hooks = cp_utils, in_seq_rerange, hooks
@@ -317,7 +317,7 @@ def decision(monkeypatch):
     in-seq split, debug off."""
     from sglang.srt import server_args as sa
 
-    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
+    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange_v0512 as in_seq_rerange
 
     monkeypatch.setattr(sa, "_global_server_args", server_args())
     monkeypatch.delenv("SGLANG_DEBUG_CP_SHARED_KV", raising=False)
@@ -384,7 +384,7 @@ PROPAGATION = textwrap.dedent("""
     import sglang.srt.layers.attention.nsa.nsa_indexer as nsa_indexer  # imported before the hooks apply
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     from sglang_cp_shared_kv import plugin
-    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange
+    from sglang_cp_shared_kv.forward import hooks, in_seq_rerange_v0512 as in_seq_rerange
     from sglang_cp_shared_kv.hook_check import _wraps_hook, missing_hooks
 
     spec = next(s for s in plugin.HOOKS if s.hook is hooks.all_gather_in_seq_order)

@@ -1,4 +1,4 @@
-"""The local-writes decision (``forward.local_writes.plan_local_writes``) against SGLang's
+"""The local-writes decision (``forward.local_writes_v0512.plan_local_writes``) against SGLang's
 own in-seq split, rank by rank.
 
 SGLang's metadata and split are its own functions on the CPU
@@ -17,11 +17,11 @@ import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.batch_state import build_batch_state
-from sglang_cp_shared_kv.forward.local_writes import check_plan, plan_local_writes
+from sglang_cp_shared_kv.forward.local_writes_v0512 import check_plan, plan_local_writes
 from sglang_cp_shared_kv.kernels import KernelDispatch
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.testing.allocation import request_pages
-from sglang_cp_shared_kv.testing.support import sglang_cp_utils_on_cpu
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv_testing.allocation import request_pages
+from sglang_cp_shared_kv_testing.support import sglang_cp_utils_on_cpu
 
 
 @pytest.fixture

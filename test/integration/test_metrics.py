@@ -5,11 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv import metrics, plugin
+from sglang_cp_shared_kv.observability import metrics
+
+from sglang_cp_shared_kv import plugin
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
-from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
+from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
+from sglang_cp_shared_kv_testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 

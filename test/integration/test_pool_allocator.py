@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
+from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.kv_geometry import NsaModelShape
-from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape
+from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool, use_cp_shared_pool_classes
 
 LAYERS = 2
 DTYPES = {  # kv cache dtype -> (torch dtype, kv_cache_dim as SGLang computes it)

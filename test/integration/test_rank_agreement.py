@@ -1,7 +1,7 @@
 """One rank's fault fails every rank loudly, never an NCCL-style hang (forward/agreement.py).
 
 On N = 2, 3, 4 gloo ranks of the installed release's CP rig, each rank-local check of the
-forward path is made to fail on ONE rank by real means (testing/rank_faults.py says how);
+forward path is made to fail on ONE rank by real means (sglang_cp_shared_kv_testing/rank_faults.py says how);
 every rank must then raise the same ``CpSharedKVRankFault``, naming that rank and the check,
 within seconds, and meet the others at a barrier afterwards. A hot-path kernel that raises
 on one rank must leave the forward bit-exact and make every rank run its reference from
@@ -12,11 +12,11 @@ collective, and the run's deadline (not a hung CI) catches it.
 
 import pytest
 
-from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.forward.agreement import CHECKS
-from sglang_cp_shared_kv.testing.rank_faults import CASES, UNAGREED_RAISE, cases_for, run_fault_cases
+from sglang_cp_shared_kv_testing.rank_faults import CASES, UNAGREED_RAISE, cases_for, run_fault_cases
 
-RELEASE = "0.5.23" if sg.installed_sglang_version() == sg.SGLANG_VERSION_0523 else "0.5.12"
+RELEASE = installed.INSTALLED.name
 #: NOTE: seconds from the faulted forward's start to the raise, on every rank: a two-layer
 #: rig forward takes well under a second alone; the bound leaves room for a CI machine's two
 #: cores shared by four rank processes, and is far below any collective's timeout (300 s)

@@ -10,12 +10,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from sglang_cp_shared_kv.config import DEBUG_ENV, PREFETCH_ENV
-from sglang_cp_shared_kv.testing.support import free_port
+from sglang_cp_shared_kv.settings.config import DEBUG_ENV, PREFETCH_ENV
+from sglang_cp_shared_kv_testing.support import free_port
 
 
 def _rank(rank, n, port, settings, results):
-    from sglang_cp_shared_kv.rank_settings import check_ranks_agree
+    from sglang_cp_shared_kv.settings.rank_settings import check_ranks_agree
 
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=n, timeout=timedelta(seconds=60))

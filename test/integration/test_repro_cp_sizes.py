@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cp_shared_kv.testing import server
-from sglang_cp_shared_kv.testing.shared_gpu import SHARED_GPU_LINE
-from sglang_cp_shared_kv.testing.support import SCRIPTS, load_script
+from sglang_cp_shared_kv_testing import server
+from sglang_cp_shared_kv_testing.shared_gpu import SHARED_GPU_LINE
+from sglang_cp_shared_kv_testing.support import SCRIPTS, load_script
 
 ILLEGAL_ACCESS = "torch.AcceleratorError: CUDA error: an illegal memory access was encountered"
 NOT_DIVISIBLE = "ValueError: 8192 is not divisible by 3"

@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+from sglang_cp_shared_kv.releases import installed, v0512, v0523
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckArgumentError, SelfcheckOptions
-from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
+from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 
 mooncake_engine_or_skip()
 
 CLI = [sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"]
-INSTALLED = sg.installed_sglang_version()
+INSTALLED = installed.INSTALLED_VERSION
 
 
 def default_write_paths(n: int) -> dict:
@@ -26,7 +26,7 @@ def default_write_paths(n: int) -> dict:
     N = 2, 4; not for N = 3) is stored where it was computed, SGLang gathers the rest (the
     donor, 448, and the last chunk, 64, always); interleave (0.5.23) computes rows of every
     page on every rank, so all are gathered."""
-    local = 2 if INSTALLED == sg.SGLANG_VERSION and 512 % (2 * n * PAGE_SIZE) == 0 else 0
+    local = 2 if INSTALLED == v0512.RELEASE.version and 512 % (2 * n * PAGE_SIZE) == 0 else 0
     paths = {"index=gathered,mla=gathered": 4 - local}
     if local:
         paths["index=local,mla=local"] = local
@@ -128,19 +128,20 @@ def test_options_validate_themselves():
 def test_on_a_release_without_tables_the_selfcheck_says_which_it_drives(monkeypatch, capsys):
     from sglang_cp_shared_kv import __main__ as cli
 
-    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.11")
+    monkeypatch.setattr(installed, "INSTALLED_VERSION", "0.5.11")
+    monkeypatch.setattr(installed, "INSTALLED", None)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["selfcheck"])
     message = capsys.readouterr().err
     assert exit_.value.code == 2 and "the installed sglang is 0.5.11" in message
-    assert f"{sg.SGLANG_VERSION} or {sg.SGLANG_VERSION_0523}" in message and "scripts/bootstrap.sh test" in message
+    assert f"{v0512.RELEASE.version} or {v0523.RELEASE.version}" in message and "scripts/bootstrap.sh test" in message
 
 
 def test_on_0523_a_cuda_selfcheck_is_refused_naming_where_it_runs(monkeypatch, capsys):
     """No GPU image with 0.5.23's torch has run it: --device cuda there is refused, not tried."""
     from sglang_cp_shared_kv import __main__ as cli
 
-    monkeypatch.setattr(sg, "installed_sglang_version", lambda: sg.SGLANG_VERSION_0523)
+    monkeypatch.setattr(installed, "INSTALLED", v0523.RELEASE)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["selfcheck", "--device", "cuda"])
     message = capsys.readouterr().err

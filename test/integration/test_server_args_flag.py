@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from sglang_cp_shared_kv.config import FLAG, FLAG_DEST, is_enabled
-from sglang_cp_shared_kv.testing.support import shared_kv_kwargs
+from sglang_cp_shared_kv.settings.config import FLAG, FLAG_DEST, is_enabled
+from sglang_cp_shared_kv_testing.support import shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 

@@ -5,27 +5,30 @@ import argparse
 
 import pytest
 
-from sglang_cp_shared_kv import plugin, server_args
+from sglang_cp_shared_kv import plugin
+
+from sglang_cp_shared_kv.settings import server_args
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
+from sglang_cp_shared_kv.releases import installed, v0523
+from sglang_cp_shared_kv.settings.config import FLAG, FLAG_DEST
 
 
 def test_the_installed_sglang_is_a_supported_base():
     """The environment the suite runs in (scripts/bootstrap.sh) has a table: every hook."""
-    version = sg.installed_sglang_version()
-    assert sg.is_supported_base(version) and plugin.hooks_for(version) is plugin.HOOKS
+    release = installed.for_version(installed.INSTALLED_VERSION)
+    assert release is installed.INSTALLED is not None and plugin.hooks_for(release) is plugin.HOOKS
 
 
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.12", "0.5.24", None])
 def test_on_another_release_the_flag_alone_is_registered(version):
-    assert not sg.is_supported_base(version)
-    assert plugin.hooks_for(version) == plugin.UNSUPPORTED_BASE_HOOKS
+    assert installed.for_version(version) is None
+    assert plugin.hooks_for(installed.for_version(version)) == plugin.UNSUPPORTED_BASE_HOOKS
     (spec,) = plugin.UNSUPPORTED_BASE_HOOKS
     assert spec.target.endswith("ServerArgs.add_cli_args") and spec.hook_type == "after"
 
 
 def test_naming_the_flag_on_an_unsupported_release_stops_the_parse_and_says_why(monkeypatch, capsys):
-    monkeypatch.setattr(sg, "installed_sglang_version", lambda: "0.5.22")
+    monkeypatch.setattr(installed, "INSTALLED_VERSION", "0.5.22")
     parser = argparse.ArgumentParser(prog="sglang.launch_server")
     parser.add_argument("--enable-nsa-prefill-context-parallel", action="store_true")
     server_args.add_refusing_flag_to_parser(None, parser)
@@ -48,7 +51,7 @@ def refuse(name):
 
 sg.resolve = refuse
 from sglang_cp_shared_kv import plugin
-(spec,) = plugin.hooks_for("0.5.22")
+(spec,) = plugin.hooks_for(None)
 print("OK", spec.target, sorted(m for m in sys.modules if m.startswith("sglang_cp_shared_kv.")))
 """
 
@@ -68,26 +71,29 @@ def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_k
     out = subprocess.run([sys.executable, "-c", IMPORT_CHECK], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("OK sglang.srt.server_args.ServerArgs.add_cli_args")
-    for module in ("pool", "capacity", "allocator", "forward.hooks", "transfer.hooks"):
+    for module in ("pool.kv_pool_v0512", "pool.capacity", "pool.allocator", "forward.hooks", "transfer.hooks"):
         assert f"sglang_cp_shared_kv.{module}'" not in out.stdout
 
 
 def test_on_0523_the_table_holds_every_concern():
     """0.5.23 is served: the flag parses (under its DSA-era alias too), rides into the
     scheduler processes and is validated in 0.5.23's terms; the pool and capacity hooks, the
-    forward path's, the decode server's and the PD transfer's are in (test_sglang_0523_settings.py,
-    test_capacity_0523.py, test_pool_dsa_0523.py, test_forward_hooks_0523.py,
-    test_cp_harness_0523.py, test_decode_admission_0523.py, test_transfer_hooks_0523.py and
+    forward path's, the decode server's and the PD transfer's are in (test_settings_v0523.py,
+    test_capacity_v0523.py, test_kv_pool_v0523.py, test_forward_hooks_v0523.py,
+    test_cp_harness_v0523.py, test_decode_admission_v0523.py, test_transfer_hooks_v0523.py and
     test_transfer_mooncake_e2e.py run them against 0.5.23's real classes)."""
-    from sglang_cp_shared_kv import capacity_dsa, decode_server_dsa, metrics, server_args_dsa
+    from sglang_cp_shared_kv.pool import capacity_v0523 as capacity_dsa
+    from sglang_cp_shared_kv.decode import server_v0523 as decode_server_dsa
+    from sglang_cp_shared_kv.observability import metrics
+    from sglang_cp_shared_kv.settings import server_args_v0523 as server_args_dsa
     from sglang_cp_shared_kv.forward import hooks as forward
-    from sglang_cp_shared_kv.forward import hooks_dsa as forward_dsa
+    from sglang_cp_shared_kv.forward import hooks_v0523 as forward_dsa
     from sglang_cp_shared_kv.hook_check import RESOLUTION
     from sglang_cp_shared_kv.transfer import hooks as transfer
-    from sglang_cp_shared_kv.transfer import hooks_dsa as transfer_dsa
+    from sglang_cp_shared_kv.transfer import hooks_v0523 as transfer_dsa
 
-    table = plugin.hooks_for(sg.SGLANG_VERSION_0523)
-    assert sg.is_supported_base(sg.SGLANG_VERSION_0523)
+    table = plugin.hooks_for(v0523.RELEASE)
+    assert installed.for_version(v0523.RELEASE.version) is v0523.RELEASE
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
                                                          forward_dsa.__name__, decode_server_dsa.__name__,
                                                          metrics.__name__,
@@ -122,4 +128,4 @@ def test_on_0523_the_table_holds_every_concern():
             "maybe_send_extra", "send_aux", "update_status", "conclude_transfer", "_handle_aux_data")),
         ("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", "around"),
         (f"{mooncake}.MooncakeKVReceiver.failure_exception", "around")}
-    assert sg.SYMBOLS_BY_VERSION[sg.SGLANG_VERSION_0523] is not sg.SYMBOLS  # 0.5.12.post1's here
+    assert v0523.RELEASE.symbols is not sg.SYMBOLS  # 0.5.12.post1's here

@@ -3,7 +3,7 @@ walk-aways the servers see), its checks and its report, run against a stand-in P
 pages, radix cache, ranks and answers are known -- a stand-in that leaks a page, hangs a
 request or answers from KV a killed rank never sent must fail the check made for it; the
 server commands SGLang's parser takes; and the idle pool audit
-(``sglang_cp_shared_kv.idle_pool_audit``) on SGLang's own idle-check mixin, allocator and
+(``sglang_cp_shared_kv.observability.idle_pool_audit_v0512``) on SGLang's own idle-check mixin, allocator and
 radix cache."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_cp_shared_kv.config import FLAG, FLAG_DEST
-from sglang_cp_shared_kv.testing.support import free_port, load_script
+from sglang_cp_shared_kv.settings.config import FLAG, FLAG_DEST
+from sglang_cp_shared_kv_testing.support import free_port, load_script
 
 PAGE = 64
 
@@ -43,7 +43,7 @@ def _shape(soak, cp_size=4, pool=1024):
 
 
 def test_the_plan_is_the_seeds_and_covers_every_kind_and_action(soak):
-    from sglang_cp_shared_kv.testing.pd_load import SPLIT_MULTIPLE, kind_ranges, plan_load
+    from sglang_cp_shared_kv_testing.pd_load import SPLIT_MULTIPLE, kind_ranges, plan_load
 
     shape = _shape(soak)
     plan = plan_load(7, 200, shape)
@@ -69,7 +69,7 @@ def test_the_plan_is_the_seeds_and_covers_every_kind_and_action(soak):
 
 
 def test_prefix_prompts_share_their_prefix_and_nothing_else_does(soak):
-    from sglang_cp_shared_kv.testing.pd_load import plan_load, prefix_ids
+    from sglang_cp_shared_kv_testing.pd_load import plan_load, prefix_ids
 
     shape = _shape(soak)
     plan = plan_load(7, 200, shape)
@@ -89,14 +89,14 @@ def test_prefix_prompts_share_their_prefix_and_nothing_else_does(soak):
 
 
 def test_request_ids_are_no_prefix_of_one_another():
-    from sglang_cp_shared_kv.testing.pd_load import rid_of
+    from sglang_cp_shared_kv_testing.pd_load import rid_of
 
     rids = [rid_of("soak-on", i) for i in range(1200)] + [rid_of("soak-on-seq", i) for i in range(20)]
     assert not [a for a in rids for b in rids if a != b and b.startswith(a)]  # SGLang aborts by prefix
 
 
 def test_latency_summary():
-    from sglang_cp_shared_kv.testing.pd_load import latency_summary
+    from sglang_cp_shared_kv_testing.pd_load import latency_summary
 
     assert latency_summary([]) == {"count": 0}
     s = latency_summary([float(x) for x in range(1, 101)])
@@ -115,7 +115,7 @@ def _args(soak, cp_size=4, dtype="bfloat16", share_gpu=True, **extra):
 def test_server_commands_parse_with_sglangs_parser(soak, plugin_loaded, phase, dtype):
     from sglang.srt.server_args import ServerArgs
 
-    from sglang_cp_shared_kv.testing import shared_gpu
+    from sglang_cp_shared_kv_testing import shared_gpu
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)  # with the plugin's hooks applied: it adds the flag
@@ -177,7 +177,7 @@ def test_scheduler_processes_are_found_by_their_title(soak):
         killer(3)  # once only
         assert killer.record["requests_ended"] == 2
     finally:
-        from sglang_cp_shared_kv.testing.server import stop
+        from sglang_cp_shared_kv_testing.server import stop
 
         stop(group, grace_s=2)
 
@@ -207,7 +207,7 @@ def _scheduler(cp_size=4, rank=1, pages_per_rank=8, flag=True, decode=False):
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.radix_cache import RadixCache
 
-    from sglang_cp_shared_kv.allocator import CpSharedPagedTokenToKVPoolAllocator
+    from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 
     class Scheduler(SchedulerRuntimeCheckerMixin):
@@ -247,7 +247,7 @@ def _cache(s, pages, start=0):
 
 def _check(s):
     """SGLang's own idle check, with the audit hook after it (as the plugin registers it)."""
-    from sglang_cp_shared_kv import idle_pool_audit
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 
     result = s._check_all_pools(s.get_pool_stats())
     return idle_pool_audit.audit_idle_pools(result, s, s.get_pool_stats())
@@ -256,14 +256,14 @@ def _check(s):
 def _published(rank):
     import prometheus_client
 
-    from sglang_cp_shared_kv.idle_pool_audit import AUDIT_METRIC, FIELDS
+    from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, FIELDS
 
     return {f: prometheus_client.REGISTRY.get_sample_value(AUDIT_METRIC, {"rank": str(rank), "field": f})
             for f in FIELDS}
 
 
 def test_the_idle_audit_finds_the_page_sglangs_check_counts_and_names_its_rank():
-    from sglang_cp_shared_kv import idle_pool_audit
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 
     s = _scheduler(cp_size=4, rank=1)
     _cache(s, 5)
@@ -289,7 +289,7 @@ def test_the_idle_audit_finds_the_page_sglangs_check_counts_and_names_its_rank()
 def test_a_double_free_a_count_can_hide_is_caught_page_by_page():
     """A page freed twice balances a page leaked elsewhere in SGLang's count; the page
     listing catches both."""
-    from sglang_cp_shared_kv import idle_pool_audit
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 
     s = _scheduler()
     cached = _cache(s, 3)
@@ -304,7 +304,7 @@ def test_a_double_free_a_count_can_hide_is_caught_page_by_page():
 
 
 def test_decode_is_audited_as_one_rank_with_its_preallocation_slots():
-    from sglang_cp_shared_kv import idle_pool_audit
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 
     s = _scheduler(decode=True, pages_per_rank=16)
     s.req_to_token_pool.pre_alloc_size = 0  # SGLang's decode pool keeps extra slots; the stand-in none
@@ -315,7 +315,7 @@ def test_decode_is_audited_as_one_rank_with_its_preallocation_slots():
 
 
 def test_the_audit_runs_only_idle_with_the_flag_and_metrics_and_refreshes():
-    from sglang_cp_shared_kv import idle_pool_audit
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 
     s = _scheduler(rank=2)
     s.idle = False  # SGLang's watchdog calls the check mid-batch too
@@ -346,7 +346,7 @@ HOOKED = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from sglang.srt.plugins.hook_registry import HookRegistry
-from sglang_cp_shared_kv import idle_pool_audit
+from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
 from sglang_cp_shared_kv.hook_check import HookSpec, missing_hooks, register_hooks
 import test_soak_pd_script as t
 spec = HookSpec("sglang.srt.managers.scheduler_runtime_checker_mixin.SchedulerRuntimeCheckerMixin._check_all_pools",
@@ -423,7 +423,7 @@ class FakePD:
     # -- the pools
     def _audit(self, who, free, held_pages, pages, cp_size, rank):
         """What the plugin's idle pool audit publishes for one rank (``who``: p or d)."""
-        from sglang_cp_shared_kv.idle_pool_audit import leak_found, page_accounting
+        from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import leak_found, page_accounting
 
         record = page_accounting(torch.tensor(free, dtype=torch.int64), torch.tensor(held_pages, dtype=torch.int64)
                                  * PAGE, PAGE, pages, cp_size, rank)
@@ -440,7 +440,7 @@ class FakePD:
 
     def _watch(self):
         """Audit the pools whenever nothing runs; notice a stand-in rank process that died."""
-        from sglang_cp_shared_kv.testing.server import live_group_members
+        from sglang_cp_shared_kv_testing.server import live_group_members
 
         all_up = False
         while not self.closed:
@@ -860,8 +860,8 @@ def test_verdict_parts_fail_on_what_they_are_for(soak):
 
 
 def test_e2e_pd_gpu_keeps_its_names_after_the_move(soak):
-    """scripts/e2e_pd_gpu.py and this script share testing/pd_servers.py: the same objects."""
-    from sglang_cp_shared_kv.testing import pd_servers
+    """scripts/e2e_pd_gpu.py and this script share sglang_cp_shared_kv_testing/pd_servers.py: the same objects."""
+    from sglang_cp_shared_kv_testing import pd_servers
 
     pd = load_script("e2e_pd_gpu")
     assert pd.Run is pd_servers.PdRun is soak.PdRun

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.testing.support import load_script
+from sglang_cp_shared_kv_testing.support import load_script
 from sglang_cp_shared_kv.transfer.pages import contiguous_runs
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from sglang_cp_shared_kv import plugin
-from sglang_cp_shared_kv.config import FLAG_DEST
+from sglang_cp_shared_kv.settings.config import FLAG_DEST
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.transfer import hooks as transfer
 from sglang_cp_shared_kv.transfer import prefill
@@ -534,7 +534,7 @@ def shared_pool(cp_size, cp_rank, physical_pages):
     import torch
 
     from sglang_cp_shared_kv.context import CpSharedKVContext
-    from sglang_cp_shared_kv.pool import CpSharedNSATokenToKVPool
+    from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
 
     return CpSharedNSATokenToKVPool(
         physical_pages * PAGE * cp_size, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16,

@@ -1,6 +1,6 @@
 """PD transfer of CP shards, end to end over the real Mooncake engine on 127.0.0.1.
 
-One run of :mod:`sglang_cp_shared_kv.testing.pd_rig` (module fixture) starts six
+One run of :mod:`sglang_cp_shared_kv_testing.pd_rig` (module fixture) starts six
 processes: four prefill processes P0..P3, process P hosting CP rank i of every instance
 that has one (shared KV S2/S3/S4 with the plugin's physical pool; replicated R2/R3/R4,
 flag off, SGLang's stock CP transfer), one more prefill process L1 whose Mooncake TCP
@@ -26,7 +26,7 @@ prefill rank 3 of S4 SIGKILLs itself after its first
 chunk was written (decode fails within its waiting timeout, no hang).
 
 The same run, on the same tests, on SGLang 0.5.23 (``.venv-0.5.23``; the rig's per-release
-seam is ``testing/pd/releases.py``). What 0.5.23 changed leaves three cases out there:
+seam is ``sglang_cp_shared_kv_testing/pd/releases.py``). What 0.5.23 changed leaves three cases out there:
 compute-owner pages (interleave CP computes every page on every rank), the refused prompt
 (0.5.23 retires it at intake and sends nothing) and the index write the lane rejects on
 its own (0.5.23's index page list starts at the decode prefix like the KV list, so the
@@ -42,14 +42,14 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from sglang_cp_shared_kv.testing.support import mooncake_engine_or_skip
+from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 
 mooncake_engine = mooncake_engine_or_skip()
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE  # noqa: E402
-from sglang_cp_shared_kv.testing import pd_rig as rig  # noqa: E402
-from sglang_cp_shared_kv.testing.pd.releases import release  # noqa: E402
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE  # noqa: E402
+from sglang_cp_shared_kv_testing import pd_rig as rig  # noqa: E402
+from sglang_cp_shared_kv_testing.pd.releases import release  # noqa: E402
 from sglang_cp_shared_kv.transfer.pages import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
 
 #: what differs between the SGLang releases the rig drives (0.5.12.post1, 0.5.23)
@@ -123,7 +123,7 @@ def build_plan():
                 add(f"{name}/R{n}", f"R{n}", seq_len, ends, prefix, logical, dst_order, seed, pair=name)
     name, seq_len, ends = COMPUTE_OWNER
     for n in (2, 3, 4) if RELEASE.compute_owner_allocation else ():
-        from sglang_cp_shared_kv.testing.allocation import request_pages
+        from sglang_cp_shared_kv_testing.allocation import request_pages
 
         logical, _ = request_pages(n, instances[f"S{n}"]["physical_pages"], ends)
         pair = f"{name}-N{n}"

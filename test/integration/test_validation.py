@@ -2,9 +2,9 @@
 
 import pytest
 
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.server_args import CpSharedKVConfigError, configuration_problems
-from sglang_cp_shared_kv.testing.support import decode_guard_kwargs, shared_kv_kwargs
+from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError, configuration_problems
+from sglang_cp_shared_kv_testing.support import decode_guard_kwargs, shared_kv_kwargs
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 
@@ -211,7 +211,7 @@ def test_fp8_in_seq_split_picks_the_backends_that_work(tiny_nsa_model, caplog):
     the flag, backends the user left unset become flashmla_sparse, with one WARNING."""
     from sglang.srt.server_args import ServerArgs, prepare_server_args
 
-    with caplog.at_level("WARNING", logger="sglang_cp_shared_kv.server_args"):
+    with caplog.at_level("WARNING", logger="sglang_cp_shared_kv.settings.server_args"):
         engine_style = ServerArgs(**shared_kv_kwargs(tiny_nsa_model, kv_cache_dtype="fp8_e4m3"))
     assert _backends(engine_style) == ("flashmla_sparse", "flashmla_sparse")
     assert "instead of SGLang's default flashmla_kv" in caplog.text
@@ -255,7 +255,7 @@ def _decode(model, kwargs, post, env, monkeypatch):
 
 @pytest.mark.parametrize("case", sorted(DECODE_REFUSALS))
 def test_the_flag_on_a_decode_server_refuses_each_unsupported_setting(case, tiny_nsa_model, monkeypatch):
-    from sglang_cp_shared_kv.server_args import decode_configuration_problems
+    from sglang_cp_shared_kv.settings.server_args import decode_configuration_problems
 
     kwargs, post, env, setting, fix = DECODE_REFUSALS[case]
     server_args = _decode(tiny_nsa_model, kwargs, post, env, monkeypatch)
@@ -274,11 +274,11 @@ def test_the_flag_on_a_decode_server_refuses_a_model_that_is_not_nsa(tiny_mla_mo
 def test_the_flag_on_a_decode_server_is_accepted_without_the_prefill_settings(tiny_nsa_model, monkeypatch, caplog):
     """A decode server has no CP group, no prefill CP mode and one GPU: none of the prefill's
     checks apply to it, and it says what the flag does there."""
-    from sglang_cp_shared_kv.config import guards_decode, shares_kv
+    from sglang_cp_shared_kv.settings.config import guards_decode, shares_kv
 
     server_args = _decode(tiny_nsa_model, {}, {}, {}, monkeypatch)
     assert guards_decode(server_args) and not shares_kv(server_args)
-    with caplog.at_level("INFO", logger="sglang_cp_shared_kv.server_args"):
+    with caplog.at_level("INFO", logger="sglang_cp_shared_kv.settings.server_args"):
         server_args.check_server_args()
     assert "decode server of a shared-KV deployment" in caplog.text
     # the same server as a prefill would be refused for every prefill requirement it lacks

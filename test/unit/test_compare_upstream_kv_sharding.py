@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_cp_shared_kv import sglang_api
-from sglang_cp_shared_kv.kv_geometry import NsaModelShape
-from sglang_cp_shared_kv.planner import plan_capacity
+from sglang_cp_shared_kv.releases import installed, v0512
+from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape
+from sglang_cp_shared_kv.pool.planner import plan_capacity
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("compare_upstream_kv_sharding",
@@ -68,7 +68,7 @@ def test_ours_pd_on_interleaved_pages_is_owned_pages_times_layers():
             assert rank == {"pages": 512 // n, "kv": 512 // n * 78, "index": 512 // n * 78}
 
 
-@pytest.mark.skipif(sglang_api.installed_sglang_version() != sglang_api.SGLANG_VERSION,
+@pytest.mark.skipif(installed.INSTALLED is not v0512.RELEASE,
                     reason="the compute-owner allocator runs on SGLang 0.5.12.post1")
 def test_ours_pd_on_compute_owner_pages_matches_the_measured_transfer():
     # docs/results/bench_pd_transfer_h200_host_16cores.json: GLM-5 fp8, 32K in 8K chunks, N = 2, compute-owner
@@ -80,7 +80,7 @@ def test_ours_pd_on_compute_owner_pages_matches_the_measured_transfer():
 
 def test_repository_cites_and_literals_resolve():
     assert cmp.cite("docs/performance.md", "in-seq all-gathers of its **bf16** KV").startswith("docs/performance.md:")
-    assert cmp.literal("python/sglang_cp_shared_kv/kv_geometry.py", "KV_CACHE_DTYPES") == ("bf16", "fp8_e4m3")
+    assert cmp.literal("python/sglang_cp_shared_kv/pool/kv_geometry.py", "KV_CACHE_DTYPES") == ("bf16", "fp8_e4m3")
     with pytest.raises(LookupError):
         cmp.cite("docs/performance.md", "no such text anywhere \x00")
 

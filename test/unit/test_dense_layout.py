@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.dense_layout import DENSE_DUMMY_PAGES, build_dense_page_map
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
 
 
 def _simulate_gather(n, seq_pages, history, full_view, repeats=False):
@@ -150,8 +150,8 @@ def test_bad_history_count_is_rejected():
 def test_the_planners_scratch_bounds_the_dense_view_of_consecutive_pages(n, num_pages, data):
     # The planner's "materialize scratch/layer" (freshly allocated consecutive pages, i.e.
     # balanced ownership) must not be below what the view really takes, at any chunk boundary.
-    from sglang_cp_shared_kv.kv_geometry import NsaModelShape
-    from sglang_cp_shared_kv.planner import plan_capacity
+    from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape
+    from sglang_cp_shared_kv.pool.planner import plan_capacity
 
     start = data.draw(st.integers(1, 50))
     history = data.draw(st.integers(0, num_pages))

@@ -12,7 +12,7 @@ import torch
 
 import sglang_cp_shared_kv_kernel as real_package
 from sglang_cp_shared_kv import kernels
-from sglang_cp_shared_kv.config import DEBUG_ENV
+from sglang_cp_shared_kv.settings.config import DEBUG_ENV
 from sglang_cp_shared_kv.kernels import KernelDispatch, KernelPackageMissing
 
 LOGGER = "sglang_cp_shared_kv.kernels"

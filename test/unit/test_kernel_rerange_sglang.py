@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_cp_shared_kv.kernels import KernelDispatch
-from sglang_cp_shared_kv.testing.support import sglang_cp_utils_on_cpu
+from sglang_cp_shared_kv_testing.support import sglang_cp_utils_on_cpu
 
 K = pytest.importorskip("sglang_cp_shared_kv_kernel")
 

@@ -13,7 +13,7 @@ from sglang_cp_shared_kv.cp_shared_kv_layout import (
     logical_tokens_for,
     physical_tokens_for,
 )
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
 
 
 def layout(rank, n=4, page=PAGE):

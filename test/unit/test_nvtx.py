@@ -2,8 +2,8 @@
 
 import torch
 
-from sglang_cp_shared_kv import nvtx
-from sglang_cp_shared_kv.config import NVTX_ENV
+from sglang_cp_shared_kv.observability import nvtx
+from sglang_cp_shared_kv.settings.config import NVTX_ENV
 
 
 def _recording(monkeypatch):

@@ -20,8 +20,13 @@ import pytest
 
 PACKAGE = "sglang_cp_shared_kv"
 ROOT = Path(__file__).resolve().parents[2] / "python" / PACKAGE
-PURE = ("cp_shared_kv_layout", "kv_geometry", "planner", "config", "scoped", "page_split", "selfcheck.options",
-        "transfer.pages", "transfer.failure_cause", "stage_timer", "prometheus_registry", "decode_admission")
+PURE = ("cp_shared_kv_layout", "pool.kv_geometry", "pool.planner", "settings.config", "scoped", "pool.page_split",
+        "selfcheck.options", "transfer.pages", "transfer.failure_cause", "observability.stage_timer",
+        "observability.prometheus_registry", "decode.admission")
+#: The concern packages (their ``__init__`` imports nothing)
+PACKAGES = ("forward", "transfer", "selfcheck", "settings", "pool", "decode", "observability")
+#: The test rigs: a sibling package of the same distribution, never loaded by a serving process
+RIGS = "sglang_cp_shared_kv_testing"
 
 
 def module_name(path: Path) -> str:
@@ -106,7 +111,7 @@ def find_cycle(graph: Dict[str, Set[str]]):
 def test_the_package_import_graph_has_no_cycle():
     graph = internal_graph()
     assert len(graph) > 20  # the walk found the package
-    assert f"{PACKAGE}.forward.writes" in graph[f"{PACKAGE}.pool"]  # the walk sees real edges
+    assert f"{PACKAGE}.forward.writes" in graph[f"{PACKAGE}.pool.kv_pool_v0512"]  # the walk sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -122,7 +127,7 @@ def test_the_cycle_check_finds_a_cycle():
 def test_only_the_adapter_imports_sglang():
     offenders = []
     for name, path in modules().items():
-        if name == f"{PACKAGE}.sglang_api" or name.startswith((f"{PACKAGE}.testing", f"{PACKAGE}.selfcheck")):
+        if name == f"{PACKAGE}.sglang_api" or name.startswith(f"{PACKAGE}.selfcheck"):
             continue
         for target in imported_names(path, name):
             if target == "sglang" or target.startswith("sglang."):
@@ -140,5 +145,24 @@ def test_pure_modules_import_no_sglang_and_no_torch(pure):
         assert target.split(".")[0] != "sglang", f"{name} imports {target}"
     for target in imported_names(modules()[name], name, module_level_only=True):
         assert target.split(".")[0] != "torch", f"{name} imports {target} at module level"
-    allowed = {f"{PACKAGE}.{p}" for p in PURE} | {PACKAGE, f"{PACKAGE}.transfer", f"{PACKAGE}.selfcheck"}
+    allowed = {f"{PACKAGE}.{p}" for p in PURE + PACKAGES} | {PACKAGE}
     assert graph[name] <= allowed, f"{name} imports {sorted(graph[name] - allowed)}"
+
+
+def test_serving_modules_never_import_the_rigs():
+    """The rigs live in their own package: a serving process (every module but the selfcheck,
+    which runs them, and ``__main__``, which starts it) never loads them."""
+    offenders = []
+    for name, path in modules().items():
+        if name.startswith(f"{PACKAGE}.selfcheck") or name == f"{PACKAGE}.__main__":
+            continue
+        offenders += [f"{name}: {t}" for t in imported_names(path, name) if t.split(".")[0] == RIGS]
+    assert not offenders, offenders
+    assert not (ROOT / "testing").exists()
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_concern_package_inits_import_nothing(package):
+    """Importing one module of a concern package runs only that package's docstring."""
+    init = ROOT / package / "__init__.py"
+    assert imported_names(init, f"{PACKAGE}.{package}") == []

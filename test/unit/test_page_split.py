@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sglang_cp_shared_kv.allocator import compute_owner_order
+from sglang_cp_shared_kv.pool.allocator import compute_owner_order
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
-from sglang_cp_shared_kv.page_split import page_aligned_split, segment_rank, segment_row_ranges, token_split_page_ranks
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.page_split import page_aligned_split, segment_rank, segment_row_ranges, token_split_page_ranks
 
 
 def test_zigzag_ranks():

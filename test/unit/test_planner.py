@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from sglang_cp_shared_kv.__main__ import main
-from sglang_cp_shared_kv.kv_geometry import BUNDLED_CONFIG_DIR, GIB, ModelConfigError, NsaModelShape
-from sglang_cp_shared_kv.planner import format_plan, pages_owned_per_rank, plan_capacity
+from sglang_cp_shared_kv.pool.kv_geometry import BUNDLED_CONFIG_DIR, GIB, ModelConfigError, NsaModelShape
+from sglang_cp_shared_kv.pool.planner import format_plan, pages_owned_per_rank, plan_capacity
 
 GLM5 = NsaModelShape.load("glm-5")
 DSV32 = NsaModelShape.load("deepseek-v3.2")
@@ -157,8 +157,8 @@ def test_the_decode_pool_the_plan_names_holds_every_request_of_the_context_and_n
     of that many tokens (whole pages, as SGLang rounds --max-total-tokens down to a page)
     admits the longest prompt of the context length, one page less refuses it
     (decode_admission)."""
-    from sglang_cp_shared_kv.decode_admission import DEFAULT_RESERVED_DECODE_TOKENS, DecodeAdmission
-    from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE
+    from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS, DecodeAdmission
+    from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
 
     plan = plan_capacity(NsaModelShape.load("glm-5"), 8, "fp8_e4m3", kv_gb_per_rank=25, context_len=202_752)
     pool = plan.request.decode_pool_tokens

@@ -10,7 +10,7 @@ import pytest
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
-from sglang_cp_shared_kv.prometheus_registry import prometheus_metric  # noqa: E402
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric  # noqa: E402
 
 _fresh = itertools.count()
 

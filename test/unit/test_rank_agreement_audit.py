@@ -13,7 +13,7 @@ from pathlib import Path
 import sglang_cp_shared_kv
 
 PACKAGE = Path(sglang_cp_shared_kv.__file__).parent
-AUDITED = (sorted(PACKAGE.glob("forward/*.py")) + [PACKAGE / "pool_base.py", PACKAGE / "kernels.py"]
+AUDITED = (sorted(PACKAGE.glob("forward/*.py")) + [PACKAGE / "pool/kv_pool_base.py", PACKAGE / "kernels.py"]
            + sorted(PACKAGE.glob("transfer/*.py")))
 
 #: (module, function) -> why raising there cannot leave a rank alone in a collective
@@ -25,20 +25,20 @@ RANK_IDENTICAL = {
     ("forward/batch_state.py", "build_for_forward"): "the forward mode and the batch size: the same batch on "
                                                      "every rank",
     ("forward/dense_layout.py", "build_dense_page_map"): "the batch's lengths and page list: rank-identical",
-    ("pool_base.py", "_physical_size_for"): "pool construction at startup, before any forward",
-    ("pool_base.py", "_view"): "SGLang reading a view none was built for: a path every rank takes alike",
-    ("pool_base.py", "get_index_k_with_scale_buffer"): "an SGLang path (decode, speculative) every rank "
+    ("pool/kv_pool_base.py", "_physical_size_for"): "pool construction at startup, before any forward",
+    ("pool/kv_pool_base.py", "_view"): "SGLang reading a view none was built for: a path every rank takes alike",
+    ("pool/kv_pool_base.py", "get_index_k_with_scale_buffer"): "an SGLang path (decode, speculative) every rank "
                                                        "takes alike",
-    ("pool_base.py", "_refuse"): "an unsupported SGLang path every rank takes alike",
-    ("pool_base.py", "stock_store_mla_rows"): "abstract: each release's pool class defines it",
-    ("pool_base.py", "stores_packed_fp8"): "abstract: each release's pool class defines it",
+    ("pool/kv_pool_base.py", "_refuse"): "an unsupported SGLang path every rank takes alike",
+    ("pool/kv_pool_base.py", "stock_store_mla_rows"): "abstract: each release's pool class defines it",
+    ("pool/kv_pool_base.py", "stores_packed_fp8"): "abstract: each release's pool class defines it",
     ("kernels.py", "kernel_package"): "the installed packages, checked at startup: the same on every rank",
     ("kernels.py", "fall_back"): "an unknown kernel name: the same code on every rank",
     ("transfer/prefill.py", "__init__"): "the Mooncake manager's construction, at startup",
     ("transfer/prefill.py", "check_pool"): "the prefill bootstrap queue's construction, at startup",
     ("transfer/pages.py", "resolve_max_descriptors_per_batch"): "read by the manager's construction, at startup",
     ("transfer/hooks.py", "check_transfer_matches_pool"): "the prefill bootstrap queue's construction, at startup",
-    ("transfer/hooks_dsa.py", "prepare_prefill_transfer"): "the Mooncake manager's construction, at startup",
+    ("transfer/hooks_v0523.py", "prepare_prefill_transfer"): "the Mooncake manager's construction, at startup",
     ("transfer/hooks.py", "failure_exception_with_cause"): "decode (no CP group): SGLang's own raising method, "
                                                            "its error naming the prefill's cause",
 }
@@ -46,8 +46,8 @@ RANK_IDENTICAL = {
 #: ``agreement.carried(...)`` (or from another of them)
 CARRIED = {
     ("forward/batch_state.py", "check_cp_group"), ("forward/batch_state.py", "check_batch_state"),
-    ("forward/several_requests.py", "check_rows"), ("forward/local_writes.py", "check_segments"),
-    ("forward/local_writes.py", "check_plan"),
+    ("forward/several_requests_v0523.py", "check_rows"), ("forward/local_writes_v0512.py", "check_segments"),
+    ("forward/local_writes_v0512.py", "check_plan"),
 }
 
 

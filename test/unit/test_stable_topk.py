@@ -1,4 +1,4 @@
-"""The deterministic NSA top-k stand-in (testing/stable_topk.py) against a naive loop
+"""The deterministic NSA top-k stand-in (sglang_cp_shared_kv_testing/stable_topk.py) against a naive loop
 written from its contract: the kernel's fast path for short rows, the largest scores
 with ties to the smaller index, returned in key order; and the three transforms. Then
 the rows the kernel is handed on an uneven in-seq split (SGLang's padding rows, whose
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_cp_shared_kv import sglang_api
-from sglang_cp_shared_kv.testing import stable_topk as st
+from sglang_cp_shared_kv.releases import installed, v0512
+from sglang_cp_shared_kv_testing import stable_topk as st
 
 
 def naive_indices(score, lengths, topk, row_starts=None):
@@ -253,7 +253,7 @@ def test_shapes_the_kernel_refuses_are_refused(change):
 
 # --- SGLang's own in-seq split: the rows it pads (0.5.12.post1 only) ----------------------------
 
-on_0512 = pytest.mark.skipif(sglang_api.installed_sglang_version() != sglang_api.SGLANG_VERSION,
+on_0512 = pytest.mark.skipif(installed.INSTALLED is not v0512.RELEASE,
                              reason="the in-seq split is SGLang 0.5.12.post1's (0.5.23 splits by interleave)")
 
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from sglang_cp_shared_kv import nvtx
-from sglang_cp_shared_kv import stage_timer as st
-from sglang_cp_shared_kv.config import NVTX_ENV
+from sglang_cp_shared_kv.observability import nvtx
+from sglang_cp_shared_kv.observability import stage_timer as st
+from sglang_cp_shared_kv.settings.config import NVTX_ENV
 from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import PAGE_SIZE as PAGE
+from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE as PAGE
 from sglang_cp_shared_kv.transfer.failure_cause import (
     CAUSE_LENGTH_FIELD,
     MAX_CAUSE_BYTES,

@@ -5,10 +5,10 @@
    dense placement, the page inverse, the remapped page tables);
 3. :mod:`.writes` -- stores into this rank's shard (its own rows, or its owned rows of a
    view), and stores of the current chunk into a dense view;
-4. :mod:`.local_writes` -- whether a forward's chunk is stored where it was computed, with
+4. :mod:`.local_writes_v0512` -- whether a forward's chunk is stored where it was computed, with
    SGLang's all-gathers of its KV left out;
 5. :mod:`.materialize` -- the dense views the stock NSA kernels read, layer by layer;
-6. :mod:`.in_seq_rerange` -- SGLang's in-seq CP all-gather, re-ordered by one kernel;
+6. :mod:`.in_seq_rerange_v0512` -- SGLang's in-seq CP all-gather, re-ordered by one kernel;
 7. :mod:`.hooks` -- the hook functions ``plugin.HOOKS`` names; they translate SGLang's
    arguments and call the modules above.
 

@@ -54,9 +54,9 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.config import FLAG
+from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.kernels import KERNEL_NAMES, KernelDispatch
-from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ indices from ``page_table_1``), the index reads and the attention kernels all ad
 dense scratch, untouched.
 
 A batch of several requests (0.5.23's interleave; 0.5.12.post1's in-seq split takes one) is
-one page list (:func:`.several_requests.batch_pages`, from the whole batch's request table:
+one page list (:func:`.several_requests_v0523.batch_pages`, from the whole batch's request table:
 a rank's own tables keep only the requests it holds query tokens of) and one dense map, a
 radix prefix two requests share placed once; the backend's tables are translated row by
-row (:func:`.several_requests.dense_rows`).
+row (:func:`.several_requests_v0523.dense_rows`).
 
 Host synchronisation: one per batch (the page map's read, which carries the owned-row
 count too); none per layer.
@@ -36,10 +36,11 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG, debug_enabled
+from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.forward import several_requests
+from sglang_cp_shared_kv.forward import several_requests_v0523 as several_requests
 from sglang_cp_shared_kv.forward.dense_layout import DensePageMap, build_dense_page_map
 from sglang_cp_shared_kv.kernels import KernelDispatch
 
@@ -64,7 +65,7 @@ class CpSharedBatchState:
     dense_out_locs: torch.Tensor  # dense location of every out_cache_loc row (padding: 0)
     owned_dense_locs: torch.Tensor  # dense locations of the owned rows (the owner copy's source)
     debug: bool
-    timer: Optional[object] = None  # the rank's StageTimer (stage_timer.py) when timing is on
+    timer: Optional[object] = None  # the rank's StageTimer (observability/stage_timer.py) when timing is on
     #: the attention kernel reads the chunk's gathered KV rows themselves, not the cache
     #: (fp8 flashmla_sparse RAGGED without a prefix): that chunk's latent must be gathered
     chunk_kv_read_directly: bool = False
@@ -158,7 +159,7 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
                       chunk_kv_read_directly: bool = False) -> CpSharedBatchState:
     """State of a batch of requests of ``prefix_lens[i] + extend_lens[i]`` tokens on logical
     ``seq_pages`` (pages numbered below ``num_logical_pages``): one request's pages in
-    sequence order, or several requests' as :func:`.several_requests.batch_pages` lists them,
+    sequence order, or several requests' as :func:`.several_requests_v0523.batch_pages` lists them,
     their ``history_pages`` first."""
     page_size = layout.page_size
     prefix_lens, extend_lens = tuple(int(x) for x in prefix_lens), tuple(int(x) for x in extend_lens)
@@ -227,7 +228,7 @@ def build_for_forward(pool, metadata, forward_batch, backend=None, *,
             "--skip-server-warmup, --disable-overlap-schedule and requests with max_new_tokens=1)")
     if one_request and forward_batch.batch_size != 1:
         raise NotImplementedError(
-            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; on sglang 0.5.12.post1 a shared-KV "
+            f"{FLAG}: a prefill batch of {forward_batch.batch_size} requests; on sglang {installed.INSTALLED_VERSION} a shared-KV "
             "prefill rank runs one request per batch, as its in-seq split does")
     prefix_lens = [int(x) for x in forward_batch.extend_prefix_lens_cpu]
     extend_lens = [int(x) for x in forward_batch.extend_seq_lens_cpu]

@@ -40,7 +40,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.kv_geometry import DENSE_DUMMY_PAGES
+from sglang_cp_shared_kv.pool.kv_geometry import DENSE_DUMMY_PAGES
 
 
 @dataclass(frozen=True)
@@ -162,7 +162,7 @@ def build_dense_page_map(layout: CpSharedKVLayout, seq_pages: torch.Tensor, hist
 
     One host synchronisation -- the forward's only one -- reads the two block sizes, which
     size the collectives, whether this rank's pages of each region form a run in its pool,
-    the owners of the current-only pages (``forward.local_writes`` compares them with the
+    the owners of the current-only pages (``forward.local_writes_v0512`` compares them with the
     ranks that compute those pages) and the caller's ``read_also`` (one-element integer
     device tensors, returned as ``DensePageMap.read_also``).
     """

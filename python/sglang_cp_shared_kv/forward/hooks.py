@@ -9,7 +9,7 @@ stored, owned rows copied to the shard) -> the latent all-gather (re-range) and
 history prefetch started; the chunk into the MLA view, owned rows copied to the shard;
 stock kernels) -> the final hidden-state all-gather (re-range).
 
-In a local-writes forward (:mod:`.local_writes`, decided at the first layer) the two
+In a local-writes forward (:mod:`.local_writes_v0512`, decided at the first layer) the two
 chunk all-gathers are left out: ``Indexer._get_q_k_bf16`` keeps this rank's keys, the
 index store puts them into its shard and gathers the whole index view from the shards;
 ``rebuild_cp_kv_cache`` puts this rank's latent rows into its shard, and
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang_cp_shared_kv.forward import in_seq_rerange, local_writes, materialize, steps, writes
+from sglang_cp_shared_kv.forward import in_seq_rerange_v0512 as in_seq_rerange, local_writes_v0512 as local_writes, materialize, steps, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
-from sglang_cp_shared_kv.nvtx import marked
-from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
+from sglang_cp_shared_kv.observability.nvtx import marked
+from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.scoped import attributes_set
 
 

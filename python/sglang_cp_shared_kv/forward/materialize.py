@@ -15,7 +15,7 @@ Per layer, on every CP rank, in the same order (the hooks in :mod:`.hooks` call 
 
 Each chunk row is quantised once per layer, into the view; the shard receives the bytes
 of its owned rows from there (:mod:`.writes`). In a local-writes forward
-(:mod:`.local_writes`) the chunk's rows are in the shards before the view is built, and
+(:mod:`.local_writes_v0512`) the chunk's rows are in the shards before the view is built, and
 the current region is all-gathered from them like the history (both steps above without
 the store and the copy).
 
@@ -43,7 +43,7 @@ import torch
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.writes import copy_owned_index_rows, copy_owned_mla_rows, store_mla_rows_into
 from sglang_cp_shared_kv.kernels import KernelDispatch
-from sglang_cp_shared_kv.nvtx import marked
+from sglang_cp_shared_kv.observability.nvtx import marked
 
 logger = logging.getLogger(__name__)
 

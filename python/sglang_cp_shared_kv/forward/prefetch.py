@@ -56,7 +56,7 @@ import torch
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.materialize import MlaHistory, gather_mla_history
-from sglang_cp_shared_kv.nvtx import marked
+from sglang_cp_shared_kv.observability.nvtx import marked
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The steps of one shared-KV prefill forward that every release's hooks take the same way
-(:mod:`.hooks` on 0.5.12.post1, :mod:`.hooks_dsa` on 0.5.23); the hooks only find the pool
+(:mod:`.hooks` on 0.5.12.post1, :mod:`.hooks_v0523` on 0.5.23); the hooks only find the pool
 and the batch in their release's arguments and call these.
 
 * :func:`begin_forward` -- once per forward, after the attention backend's metadata: the
@@ -24,7 +24,7 @@ import torch
 from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.forward import materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
-from sglang_cp_shared_kv.nvtx import marked
+from sglang_cp_shared_kv.observability.nvtx import marked
 
 
 def begin_forward(pool, backend, forward_batch, *, one_request: bool = False) -> Optional[CpSharedBatchState]:

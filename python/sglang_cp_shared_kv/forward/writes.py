@@ -3,7 +3,7 @@ copy from a view into the shard.
 
 Per layer each chunk row is quantised and stored **once** on a rank:
 
-* local writes (:mod:`.local_writes`): this rank's own rows, straight into its shard at
+* local writes (:mod:`.local_writes_v0512`): this rank's own rows, straight into its shard at
   their physical locations (:func:`store_local_mla_rows`, :func:`store_local_index_rows`);
   nothing is stored into the views (they gather the shards);
 * otherwise (phase 3), the whole gathered chunk into the layer's dense view
@@ -54,7 +54,7 @@ def store_owned_mla_rows(pool, layer, loc: torch.Tensor, k_nope: torch.Tensor, k
 def store_local_mla_rows(pool, layer, physical_locs: torch.Tensor, k_nope: torch.Tensor,
                          k_rope: torch.Tensor) -> None:
     """Row i of (k_nope | k_rope) at ``physical_locs[i]`` of this rank's shard: the rows this
-    rank computed, all on pages it owns (``forward.local_writes``)."""
+    rank computed, all on pages it owns (``forward.local_writes_v0512``)."""
     shard = pool.physical_kv_buffer(layer.layer_id)
 
     def stock():
@@ -111,7 +111,7 @@ def store_index_rows_into(sglang_store: Callable[[torch.Tensor, torch.Tensor], N
 def store_local_index_rows(sglang_store: Callable[[torch.Tensor, torch.Tensor], None], pool, layer_id: int,
                            key: torch.Tensor, physical_locs: torch.Tensor) -> None:
     """Index key ``key[i]`` at ``physical_locs[i]`` of this rank's shard: the keys this rank
-    computed, all on pages it owns (``forward.local_writes``)."""
+    computed, all on pages it owns (``forward.local_writes_v0512``)."""
     store_index_rows_into(sglang_store, pool, layer_id, key, pool.physical_index_buffer(layer_id), physical_locs)
 
 

@@ -13,5 +13,5 @@ stock pool, which compares every byte it received with the replicated pool.
 Modules: :mod:`.options` (the arguments and their ranges), :mod:`.ranks` (what the rank and
 decode processes run), :mod:`.report` (the checks, the table and the JSON),
 :mod:`.run` (processes, progress, verdict). It drives the plugin through the test rigs of
-:mod:`sglang_cp_shared_kv.testing`.
+:mod:`sglang_cp_shared_kv_testing`.
 """

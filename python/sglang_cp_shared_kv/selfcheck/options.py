@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sglang_cp_shared_kv.kv_geometry import KV_CACHE_DTYPES, PAGE_SIZE
+from sglang_cp_shared_kv.pool.kv_geometry import KV_CACHE_DTYPES, PAGE_SIZE
 
 INJECTIONS = ("skip-write", "corrupt-shard", "drop-batch")
 DEVICES = ("cpu", "cuda")

@@ -3,15 +3,15 @@
 A **rank** (:func:`rank_main`) joins a gloo CP group (SGLang's attention-CP
 ``GroupCoordinator`` over it), builds the plugin's shared-KV pool and allocator beside a
 replicated pool -- the rig of the installed release's prefill CP (:data:`PREFILL_RIGS`:
-0.5.12.post1's in-seq split, :class:`~sglang_cp_shared_kv.testing.cp_rig_nsa.InSeqRig`;
-0.5.23's interleave, :class:`~sglang_cp_shared_kv.testing.cp_rig_dsa.InterleaveRig`, in the
+0.5.12.post1's in-seq split, :class:`~sglang_cp_shared_kv_testing.cp_rig_v0512.InSeqRig`;
+0.5.23's interleave, :class:`~sglang_cp_shared_kv_testing.cp_rig_v0523.InterleaveRig`, in the
 runtime context of CP rank r of an interleave prefill server) --, prefills a donor
 request (the radix-cache prefix), then the request that hits it, chunk by chunk, every
 forward through the plugin's hooks, comparing the stock kernels' inputs and a reference
 attention with the replicated pool's. Rank 0 writes what the replicated pool holds for
 the request (every page, every layer), which is what decode must end with. Then every
 rank sends its shard over Mooncake through SGLang's PD classes
-(:class:`~sglang_cp_shared_kv.testing.pd.prefill.PrefillInstance`), rank 0 hosting the
+(:class:`~sglang_cp_shared_kv_testing.pd.prefill.PrefillInstance`), rank 0 hosting the
 bootstrap server, and stays up until decode is done.
 
 **Decode** (:func:`decode_main`) holds the release's stock pool, preallocates the
@@ -34,8 +34,8 @@ from typing import Any, Dict
 
 import numpy as np
 
-from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.kv_geometry import NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, PAGE_SIZE, mla_kv_cache_dim
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, PAGE_SIZE, mla_kv_cache_dim
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions
 
 ROOM = 31_337
@@ -45,8 +45,8 @@ DONE_FILE = "decode-done"
 
 
 def geometry(options: SelfcheckOptions):
-    from sglang_cp_shared_kv.testing.cp_rig import LAYERS
-    from sglang_cp_shared_kv.testing.pd.geometry import Geometry
+    from sglang_cp_shared_kv_testing.cp_rig import LAYERS
+    from sglang_cp_shared_kv_testing.pd.geometry import Geometry
 
     return Geometry(layers=LAYERS, kv_lora_rank=NSA_KV_LORA_RANK, qk_rope_head_dim=NSA_QK_ROPE_HEAD_DIM,
                     dtype=options.kv_cache_dtype, kv_cache_dim=mla_kv_cache_dim(options.kv_cache_dtype))
@@ -83,9 +83,9 @@ def _finish(workdir: Path, name: str, result: Dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------- ranks
 def _in_seq_rig(rank: int, options: SelfcheckOptions, port: int, workdir: Path, stack: contextlib.ExitStack):
-    """0.5.12.post1: the gloo CP group and SGLang's in-seq split settings, the in-seq rig."""
-    from sglang_cp_shared_kv.testing.cp_harness import init_rank_process
-    from sglang_cp_shared_kv.testing.cp_rig_nsa import InSeqRig
+    """In-seq split (0.5.12.post1): the gloo CP group and SGLang's in-seq split settings, the in-seq rig."""
+    from sglang_cp_shared_kv_testing.cp_harness import init_rank_process
+    from sglang_cp_shared_kv_testing.cp_rig_v0512 import InSeqRig
 
     group = init_rank_process(rank, options.cp_size, port, options.device)
     return InSeqRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
@@ -93,19 +93,20 @@ def _in_seq_rig(rank: int, options: SelfcheckOptions, port: int, workdir: Path, 
 
 
 def _interleave_rig(rank: int, options: SelfcheckOptions, port: int, workdir: Path, stack: contextlib.ExitStack):
-    """0.5.23: CP rank ``rank`` of an interleave prefill server (its runtime context, active
+    """Interleave (0.5.23): CP rank ``rank`` of an interleave prefill server (its runtime context, active
     until ``stack`` closes, and its attention-CP group over gloo), the interleave rig."""
-    from sglang_cp_shared_kv.testing.cp_harness_dsa import init_interleave_rank
-    from sglang_cp_shared_kv.testing.cp_rig_dsa import InterleaveRig
-    from sglang_cp_shared_kv.testing.pd.releases import write_tiny_dsv32
+    from sglang_cp_shared_kv_testing.cp_harness_v0523 import init_interleave_rank
+    from sglang_cp_shared_kv_testing.cp_rig_v0523 import InterleaveRig
+    from sglang_cp_shared_kv_testing.pd.releases import write_tiny_dsv32
 
     group = init_interleave_rank(rank, options.cp_size, port, str(write_tiny_dsv32(workdir)), stack)
     return InterleaveRig(rank, options.cp_size, options.kv_cache_dtype, group, options.device, debug="off",
                          physical_pages=physical_pages(options))
 
 
-#: the rig of each release's prefill CP (its rank process set up as that release's scheduler)
-PREFILL_RIGS = {sg.SGLANG_VERSION: _in_seq_rig, sg.SGLANG_VERSION_0523: _interleave_rig}
+#: the rig of each prefill CP strategy (``Release.cp_strategy``; its rank process set up as
+#: that release's scheduler)
+PREFILL_RIGS = {"in-seq-split": _in_seq_rig, "interleave": _interleave_rig}
 
 
 def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, bootstrap_port: int, events) -> None:
@@ -114,7 +115,7 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
     result: Dict[str, Any] = {"rank": rank}
     try:
         with contextlib.ExitStack() as stack:
-            rig = PREFILL_RIGS[sg.installed_table_version()](rank, options, port, workdir, stack)
+            rig = PREFILL_RIGS[installed.INSTALLED.cp_strategy](rank, options, port, workdir, stack)
             result["capacity"] = _capacity(rig)
             events.put(("ready", rank))
             request = _prefill(rig, options, events)
@@ -139,7 +140,7 @@ def rank_main(rank: int, options: SelfcheckOptions, workdir: str, port: int, boo
 
 def _capacity(rig) -> Dict[str, Any]:
     """What the capacity split gives this rank, beside a stock pool of the physical size."""
-    from sglang_cp_shared_kv.testing.cp_rig import LAYERS
+    from sglang_cp_shared_kv_testing.cp_rig import LAYERS
 
     pool = rig.shared
     stock = type(rig.replicated)(pool.physical_size, page_size=PAGE_SIZE, kv_lora_rank=NSA_KV_LORA_RANK,
@@ -231,7 +232,7 @@ def _write_expected(rig, pages, workdir: Path) -> None:
     """The replicated pool's pages of the request, every layer: what decode must end with."""
     import torch
 
-    from sglang_cp_shared_kv.testing.pd.geometry import index_pages, kv_pages
+    from sglang_cp_shared_kv_testing.pd.geometry import index_pages, kv_pages
 
     rows = torch.tensor(pages)
     layers = range(len(rig.replicated.kv_buffer))
@@ -267,9 +268,9 @@ def _send(rig, rank: int, options: SelfcheckOptions, pages, workdir: Path, boots
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
 
-    from sglang_cp_shared_kv.testing.pd.prefill import PrefillInstance
-    from sglang_cp_shared_kv.testing.pd.releases import release
-    from sglang_cp_shared_kv.testing.pd.sglang_side import apply_transfer_hooks
+    from sglang_cp_shared_kv_testing.pd.prefill import PrefillInstance
+    from sglang_cp_shared_kv_testing.pd.releases import release
+    from sglang_cp_shared_kv_testing.pd.sglang_side import apply_transfer_hooks
 
     release().setup_process(str(workdir), "prefill")
     apply_transfer_hooks()
@@ -311,9 +312,9 @@ def decode_main(options: SelfcheckOptions, workdir: str, bootstrap_port: int, ev
             init_mooncake_transfer_engine,
         )
 
-        from sglang_cp_shared_kv.testing.pd.decode import DecodeSide
-        from sglang_cp_shared_kv.testing.pd.releases import release
-        from sglang_cp_shared_kv.testing.pd.sglang_side import apply_transfer_hooks
+        from sglang_cp_shared_kv_testing.pd.decode import DecodeSide
+        from sglang_cp_shared_kv_testing.pd.releases import release
+        from sglang_cp_shared_kv_testing.pd.sglang_side import apply_transfer_hooks
 
         release().setup_process(str(workdir), "decode")
         apply_transfer_hooks()

@@ -10,15 +10,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional
 
-from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.kv_geometry import (
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.pool.kv_geometry import (
     NSA_INDEX_HEAD_DIM,
     NSA_KV_LORA_RANK,
     NSA_QK_ROPE_HEAD_DIM,
     PAGE_SIZE,
     NsaModelShape,
 )
-from sglang_cp_shared_kv.planner import plan_capacity
+from sglang_cp_shared_kv.pool.planner import plan_capacity
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions
 
 
@@ -30,7 +30,7 @@ class Check:
 
 
 def _harness_shape() -> NsaModelShape:
-    from sglang_cp_shared_kv.testing.cp_rig import LAYERS
+    from sglang_cp_shared_kv_testing.cp_rig import LAYERS
 
     return NsaModelShape(name="selfcheck (DeepSeek-V3.2 latent and index widths)", num_layers=LAYERS,
                          kv_lora_rank=NSA_KV_LORA_RANK, qk_rope_head_dim=NSA_QK_ROPE_HEAD_DIM,
@@ -122,7 +122,7 @@ def build_report(options: SelfcheckOptions, ranks: List[Optional[Dict[str, Any]]
                           "materialized_bytes_per_layer": r["materialized_bytes_per_layer"]["bytes"]})
     return {
         "verdict": "PASS" if all(c.passed for c in checks) else "FAIL",
-        "sglang_version": sg.installed_sglang_version(),
+        "sglang_version": installed.INSTALLED_VERSION,
         "options": asdict(options),
         "capacity": {"physical_tokens_per_rank": physical,
                      "logical_tokens": capacity[0]["logical_tokens"] if capacity else None,

@@ -18,24 +18,22 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.selfcheck import ranks as processes
 from sglang_cp_shared_kv.selfcheck.options import SelfcheckOptions
 from sglang_cp_shared_kv.selfcheck.report import build_report
-from sglang_cp_shared_kv.testing.pd_rig import BASE_ENV
-from sglang_cp_shared_kv.testing.support import free_port, supervise
+from sglang_cp_shared_kv_testing.pd_rig import BASE_ENV
+from sglang_cp_shared_kv_testing.support import free_port, supervise
 
 #: after one process failed, the others get this long to report before they are stopped
 #: (a rank waiting on a collective its failed peer never issues would wait forever)
 FAILURE_GRACE_S = 15
 
-#: imported once by the forkserver, so every process starts warm (and the attention backend
-#: of each release, its largest import: :data:`PRELOAD_BACKEND`)
+#: imported once by the forkserver, so every process starts warm (and the installed release's
+#: attention backend, its largest import: ``Release.attention_backend_module``)
 PRELOAD = ["sglang.srt.disaggregation.mooncake.conn", "sglang.srt.mem_cache.memory_pool",
-           "sglang_cp_shared_kv.testing.cp_rig", "sglang_cp_shared_kv.testing.pd.prefill",
-           "sglang_cp_shared_kv.testing.pd.decode"]
-PRELOAD_BACKEND = {sg.SGLANG_VERSION: "sglang.srt.layers.attention.nsa_backend",
-                   sg.SGLANG_VERSION_0523: "sglang.srt.layers.attention.dsa_backend"}
+           "sglang_cp_shared_kv_testing.cp_rig", "sglang_cp_shared_kv_testing.pd.prefill",
+           "sglang_cp_shared_kv_testing.pd.decode"]
 
 
 class _Progress:
@@ -87,7 +85,7 @@ def run_selfcheck(options: SelfcheckOptions, *, quiet: bool = False, workdir: Op
         ctx = multiprocessing.get_context("spawn")
     else:
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD + [PRELOAD_BACKEND[sg.installed_table_version()]])
+        ctx.set_forkserver_preload(PRELOAD + [installed.INSTALLED.attention_backend_module])
     events = ctx.Queue()
     port, bootstrap_port = free_port(), free_port()
     procs = [ctx.Process(target=processes.rank_main, args=(r, options, str(workdir), port, bootstrap_port, events),

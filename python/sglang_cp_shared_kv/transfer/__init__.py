@@ -63,5 +63,5 @@ module imports nothing):
 * :mod:`.decode` -- decode keeps the cause and names it in its failure;
 * :mod:`.hooks` -- the thin hook functions ``plugin.HOOKS`` registers (and 0.5.23's table
   where the target kept its shape);
-* :mod:`.hooks_dsa` -- the SGLang 0.5.23 hooks whose targets changed shape.
+* :mod:`.hooks_v0523` -- the SGLang 0.5.23 hooks whose targets changed shape.
 """

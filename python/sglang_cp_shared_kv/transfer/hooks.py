@@ -1,6 +1,6 @@
 """The PD transfer hooks (``plugin.HOOKS``, block "PD transfer of each rank's shard"; on
-SGLang 0.5.23 the same block of ``plugin._table_0523`` takes these where their targets kept
-their shape, and :mod:`.hooks_dsa`'s where they changed).
+SGLang 0.5.23 the same block of ``plugin._hooks_v0523`` takes these where their targets kept
+their shape, and :mod:`.hooks_v0523`'s where they changed).
 
 Each one is thin: it finds the manager's shard-transfer state
 (:func:`.prefill.prefill_transfer`, None unless the flag is on and the manager is a
@@ -12,8 +12,8 @@ prefill one) and passes straight through to SGLang without it; with it, the work
 from __future__ import annotations
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG
-from sglang_cp_shared_kv.pool_base import CpSharedPoolMixin
+from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.transfer.decode import keep_failure_cause, with_cause
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
 from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, prefill_transfer

@@ -15,8 +15,8 @@ from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from sglang_cp_shared_kv.config import DEFAULT_TRANSFER_BATCH_DESCRIPTORS as DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-from sglang_cp_shared_kv.config import TRANSFER_BATCH_DESCRIPTORS_ENV as MAX_DESCRIPTORS_ENV
+from sglang_cp_shared_kv.settings.config import DEFAULT_TRANSFER_BATCH_DESCRIPTORS as DEFAULT_MAX_DESCRIPTORS_PER_BATCH
+from sglang_cp_shared_kv.settings.config import TRANSFER_BATCH_DESCRIPTORS_ENV as MAX_DESCRIPTORS_ENV
 from sglang_cp_shared_kv.cp_shared_kv_layout import DUMMY_PAGE, CpSharedKVLayout
 
 #: Mooncake's TCP transport admits this many queued entries per peer (default 2,048).

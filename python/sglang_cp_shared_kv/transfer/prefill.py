@@ -23,9 +23,10 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.config import FLAG, shares_kv
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.settings.config import FLAG, shares_kv
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.nvtx import marked
+from sglang_cp_shared_kv.observability.nvtx import marked
 from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms
 from sglang_cp_shared_kv.transfer.pages import (
     ChunkPositions,
@@ -173,9 +174,9 @@ class PrefillShardTransfer(RoomFailureNotices):
             if info.is_dummy:
                 continue
             registration = kv_mgr.decode_kv_args_table.get(info.mooncake_session_id)
-            # HiSparse decode: a registration flag on 0.5.12.post1, device pages per room on 0.5.23
-            hisparse = (bool(getattr(registration, "enable_hisparse", False))
-                        or getattr(info, "dst_device_kv_indices", None) is not None)
+            # HiSparse decode: a flag of its registration, or device pages of each room
+            hisparse = (getattr(info, "dst_device_kv_indices", None) is not None if installed.INSTALLED.hisparse_signal == "room"
+                        else bool(getattr(registration, "enable_hisparse", False)))
             out.append(Destination(name=f"{info.endpoint}:{info.dst_port}", pages=len(info.dst_kv_indices),
                                    hisparse=hisparse,
                                    relayout=bool(getattr(registration, "requires_dcp_relayout", False))))

@@ -15,7 +15,7 @@ import collections
 import threading
 from typing import Any, Dict
 
-from sglang_cp_shared_kv.prometheus_registry import prometheus_metric
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 
 
 class TransferStats:

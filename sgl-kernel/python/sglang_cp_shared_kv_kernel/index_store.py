@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM, PAGE_SIZE
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_INDEX_HEAD_DIM, PAGE_SIZE
 from sglang_cp_shared_kv_kernel._rows import source_rows
 
 HEAD_DIM = NSA_INDEX_HEAD_DIM

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_cp_shared_kv.kv_geometry import NOPE_FP8_GROUP, NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, mla_row_bytes
+from sglang_cp_shared_kv.pool.kv_geometry import NOPE_FP8_GROUP, NSA_KV_LORA_RANK, NSA_QK_ROPE_HEAD_DIM, mla_row_bytes
 from sglang_cp_shared_kv_kernel._rows import source_rows
 from sglang_cp_shared_kv_kernel._words import int64_rows, same_word_views
 

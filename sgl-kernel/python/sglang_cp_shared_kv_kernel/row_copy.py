@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang_cp_shared_kv.kv_geometry import NSA_INDEX_HEAD_DIM, PAGE_SIZE
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_INDEX_HEAD_DIM, PAGE_SIZE
 
 MAX_CHUNK_WORDS = 16  # 128 bytes of int64 words per tile line
 # NOTE: 1,024 words per program, as page_pack: with fewer than two words per thread
