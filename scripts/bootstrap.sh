@@ -15,10 +15,14 @@
 #                                  0.5.12.post1 pins left out), pytest, hypothesis and the CPU
 #                                  Mooncake engine (as for test; links libibverbs1); pytest
 #                                  there runs its own tests (*_v0523.py) and test/conftest.py's SHARED_WITH_V0523.
-# Each environment takes about 10-11 GB (torch's CUDA build and its NVIDIA libraries). A new
-# one is refused up front when the disk it goes on, or pip's temporary folder (TMPDIR, /tmp),
-# has less than MIN_FREE_GB (12) free: pip would otherwise stop half-way with "No space left
-# on device". MIN_FREE_GB=0 skips the check.
+# Each environment takes about 10-11 GB (torch's CUDA build and its NVIDIA libraries). The CPU
+# test environments (test, test-0.5.23) leave out flashinfer-cubin (1.5 GB of GPU kernel
+# binaries; flashinfer looks for it and carries on without it), and test-0.5.23 shares the
+# distributions it would install at the same version as .venv (about 2.4 GB) by hard links
+# (scripts/share_identical_dists.py; SHARE_DISTS=0 turns it off). A new environment is refused
+# up front when the disk it goes on, or pip's temporary folder (TMPDIR, /tmp), has less than
+# MIN_FREE_GB free (11 for .venv; 10 for .venv-0.5.23 beside .venv, 12 alone): pip would
+# otherwise stop half-way with "No space left on device". MIN_FREE_GB=0 skips the check.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -52,7 +56,7 @@ fi
 # NOTE: checked only where the environment is new: re-running over an existing one installs
 # little or nothing
 require_free_space() {
-  local venv=$1 min=${MIN_FREE_GB:-12} dir free_gb
+  local venv=$1 min=${MIN_FREE_GB:-$2} dir free_gb
   [ -x "$venv/bin/python" ] && return 0
   [ "$min" -gt 0 ] || return 0
   for dir in "$root" "${TMPDIR:-/tmp}"; do
@@ -66,8 +70,19 @@ require_free_space() {
   done
 }
 
+# The CPU test environments never load GPU kernel binaries: flashinfer-cubin goes (flashinfer
+# checks for it with find_spec and JIT-compiles without it, which a CPU test never asks for).
+drop_gpu_kernel_binaries() {
+  "$1/bin/python" -m pip uninstall -q -y --disable-pip-version-check flashinfer-cubin 2>/dev/null || true
+}
+
 if [ "$target" = test-0.5.23 ]; then
-  require_free_space .venv-0.5.23
+  # NOTE: sizes measured 2026-12-05: .venv-0.5.23 11 GB alone, 8.6 GB beside .venv
+  if [ -x .venv/bin/python ] && [ "${SHARE_DISTS:-1}" = 1 ]; then
+    require_free_space .venv-0.5.23 10
+  else
+    require_free_space .venv-0.5.23 12
+  fi
   "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || { echo "bootstrap: sglang 0.5.23 needs Python >= 3.11 (PYTHON=python3.11 scripts/bootstrap.sh test-0.5.23)" >&2; exit 1; }
   venv=.venv-0.5.23
@@ -78,15 +93,25 @@ if [ "$target" = test-0.5.23 ]; then
   # 0.14), and the plugin joins it without its pins
   # NOTE: the same test requirements as pyproject.toml's `test` extra (the extra itself would
   # bring the plugin's pins along)
-  $venv/bin/python -m pip install -q --disable-pip-version-check "sglang==0.5.23" numpy "pytest>=8" \
-    "hypothesis>=6.100" mooncake-transfer-engine-non-cuda
+  requirements=("sglang==0.5.23" numpy "pytest>=8" "hypothesis>=6.100" mooncake-transfer-engine-non-cuda)
+  if [ -x .venv/bin/python ] && [ "${SHARE_DISTS:-1}" = 1 ]; then
+    report=$(mktemp --suffix=.json)
+    $venv/bin/python -m pip install -q --disable-pip-version-check --dry-run --ignore-installed \
+      --report "$report" "${requirements[@]}"
+    $venv/bin/python scripts/share_identical_dists.py --source .venv --target $venv --report "$report"
+    rm -f "$report"
+  fi
+  $venv/bin/python -m pip install -q --disable-pip-version-check "${requirements[@]}"
+  drop_gpu_kernel_binaries $venv
   $venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
   exit 0
 fi
 
-require_free_space .venv
+require_free_space .venv 11
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e "$spec"
+[ "$target" = test ] && drop_gpu_kernel_binaries .venv
+exit 0

@@ -5,7 +5,7 @@ one GPU, every rank on it (``--share-gpu``), one server per CP size in turn.
 Why ask: CP2, CP4 and CP8 servers answer every prompt of scripts/e2e_cp_logprobs.py; CP3 and CP5
 servers (one H200, 2026-12-04) stopped at their first prompt with "CUDA error: an illegal memory
 access", flag off and on alike. The plugin refuses every size but 2, 4 and 8 at startup
-(``server_args.IN_SEQ_SPLIT_CP_SIZES``); CP6 and CP7 are refused on a reading of the code alone.
+(``releases.v0512.RELEASE.served_cp_sizes``); CP6 and CP7 are refused on a reading of the code alone.
 This probe measures it: per size N (default 3, 5, 6, 7) the tiny DeepSeek-V3.2 of the e2e scripts
 with its sharded dims rounded up to multiples of N (``model_for``: at 2, 4 and 8 it is the e2e model
 itself), then five prompts (``prompts``): one chunk SGLang's in-seq split cuts evenly and unpadded,

@@ -84,7 +84,7 @@ from typing import Dict, List, NamedTuple, Optional
 from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
 from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, leak_found
-from sglang_cp_shared_kv.settings.server_args import IN_SEQ_SPLIT_CP_SIZES
+from sglang_cp_shared_kv.releases import v0512
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
 from sglang_cp_shared_kv_testing.pd_load import (
     LoadShape,
@@ -732,7 +732,7 @@ def main() -> int:
     ap.add_argument("--out", default="soak_pd.json")
     ap.add_argument("--workdir", default="soak-work")
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
-    ap.add_argument("--cp-size", type=int, default=4, help=f"prefill CP size ({', '.join(map(str, IN_SEQ_SPLIT_CP_SIZES))})")
+    ap.add_argument("--cp-size", type=int, default=4, help=f"prefill CP size ({', '.join(map(str, v0512.RELEASE.served_cp_sizes))})")
     ap.add_argument("--phases", default="on,off", help=f"phases to run now, of {','.join(PHASES)}")
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
@@ -757,8 +757,8 @@ def main() -> int:
     ap.add_argument("--decode-max-running-requests", type=int, default=None,
                     help="decode's --max-running-requests (default SGLang's)")
     args = ap.parse_args()
-    if args.cp_size not in IN_SEQ_SPLIT_CP_SIZES:  # the flag needs prefill CP; the plugin refuses other sizes
-        ap.error(f"--cp-size {args.cp_size}: choose one of {IN_SEQ_SPLIT_CP_SIZES} (server_args.IN_SEQ_SPLIT_CP_SIZES)")
+    if args.cp_size not in v0512.RELEASE.served_cp_sizes:  # the flag needs prefill CP; the plugin refuses other sizes
+        ap.error(f"--cp-size {args.cp_size}: choose one of {v0512.RELEASE.served_cp_sizes} (releases/v0512.py: served_cp_sizes)")
     selected = [p for p in args.phases.split(",") if p]
     unknown = sorted(set(selected) - set(PHASES))
     if unknown:

@@ -19,7 +19,7 @@ SHARED_WITH_V0523 = frozenset({
     "unit/test_kernel_references.py", "unit/test_layout.py", "unit/test_nvtx.py",
     "unit/test_package_structure.py", "unit/test_planner.py", "unit/test_prometheus_registry.py",
     "unit/test_scoped.py", "unit/test_stable_topk.py", "unit/test_stage_timer.py", "unit/test_transfer_pages.py",
-    "unit/test_compare_upstream_kv_sharding.py", "unit/test_releases.py",
+    "unit/test_compare_upstream_kv_sharding.py", "unit/test_releases.py", "unit/test_share_identical_dists.py",
     "integration/test_transfer_mooncake_e2e.py", "integration/test_fused_index_store_source.py",
     "integration/test_selfcheck.py", "integration/test_rank_agreement.py", "unit/test_rank_agreement_audit.py",
 })

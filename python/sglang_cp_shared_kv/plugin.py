@@ -138,7 +138,7 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
     (:mod:`.forward.hooks_v0523`), the decode server (:mod:`.decode.server_v0523`) and the PD
     transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_v0523` where 0.5.23 changed the
     target's shape)."""
-    from sglang_cp_shared_kv.pool import capacity_v0523 as capacity_dsa
+    from sglang_cp_shared_kv.pool import capacity_v0523
     from sglang_cp_shared_kv.decode import server_v0523 as decode_server_dsa
     from sglang_cp_shared_kv.observability import metrics
     from sglang_cp_shared_kv.settings import server_args_v0523 as dsa
@@ -151,8 +151,8 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         HookSpec("apply_prefill_cp_cuda_graph_default", dsa.prefill_cuda_graph_off, RESOLUTION),
         HookSpec("handle_kv_cache_sharding", dsa.refuse_kv_sharding_beside_the_flag, RESOLUTION),
         HookSpec(f"{_SERVER_ARGS}.check_server_args", dsa.validate_after_stock_checks, "after"),
-        HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_dsa.split_capacity, "after"),
-        HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_dsa.configure_shared_pools, "around"),
+        HookSpec(f"{_KV_CONFIGURATOR}._resolve_memory_pool_config", capacity_v0523.split_capacity, "after"),
+        HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_v0523.configure_shared_pools, "around"),
         HookSpec("sglang.srt.managers.scheduler.Scheduler.emit_metrics_constants",
                  metrics.emit_physical_capacity_with_constants, "after"),
         # --- forward path (interleave CP): owner-only writes of the gathered chunk, dense-view reads

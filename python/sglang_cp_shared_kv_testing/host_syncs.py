@@ -16,7 +16,7 @@ entry points that synchronise on CUDA --
   ``masked_select``, ``repeat_interleave`` without ``output_size``, indexing with a
   boolean mask --
 
-and counts a call when its direct Python caller is a plugin module outside ``testing/``.
+and counts a call when its direct Python caller is a module of the plugin package (the rigs live in their own).
 SGLang's own synchronisations are not counted: they happen with the flag off too. Calls are
 filed by the phase the rig reports (:meth:`at_layer`): ``forward start`` (before the first
 layer), ``layer 0``, ``later layers``, ``after`` (the rig's own checks).

@@ -23,7 +23,7 @@ Two hooks (``plugin._hooks_v0523``):
 * ``DecodePreallocQueue.__init__`` AFTER (:func:`check_decode_server`): 0.5.23's constructor
   takes fewer arguments (the parallel ranks come from ``get_parallel()``); the hook reads the
   queue's attributes only. Flag on: every hook in place, the decode settings valid in this
-  process (``server_args_dsa.validate_in_scheduler``, the decode role's checks), the line;
+  process (``settings.server_args_v0523.validate_in_scheduler``, the decode role's checks), the line;
 * ``DecodePreallocQueue._check_if_req_exceed_kv_capacity`` AROUND
   (:func:`refuse_what_decode_can_never_hold`): SGLang's own check first (its ceiling, its
   prompt-longer-than-the-pool refusal and its message stand), then the bound. The answer goes

@@ -17,7 +17,7 @@ tokens (MLA latent rows, and index-K pages behind 0.5.23's ``IndexKeyCache``) wh
   index pages), shared top-k layers (no index K on some layers) and DCP-replicated pools
   -- layouts whose index pages are not one 64-token page per logical page.
 
-Installed only by :func:`use_cp_shared_dsa_pool_classes` (``capacity_dsa``), which swaps the
+Installed only by :func:`use_cp_shared_dsa_pool_classes` (``capacity_v0523``), which swaps the
 classes ``KVCacheConfigurator`` looks up while it configures this rank's pools.
 """
 

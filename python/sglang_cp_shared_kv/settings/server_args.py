@@ -311,7 +311,7 @@ def prefill_feature_problems(server_args, refuse) -> None:
                "shared KV yet. Remove --enable-two-batch-overlap from the prefill server.")
     if runs_flashinfer_autotune(server_args):
         # NOTE: 0.5.23's resolution declares the autotune off under the flag
-        # (server_args_dsa.flashinfer_autotune_off); 0.5.12.post1 has no such step
+        # (server_args_v0523.flashinfer_autotune_off); 0.5.12.post1 has no such step
         refuse(f"--moe-runner-backend {server_args.moe_runner_backend} with FlashInfer autotune",
                "its warmup runs a decode-shaped dummy forward, which a shared-KV prefill rank does not run; "
                "add --disable-flashinfer-autotune to the prefill server.")

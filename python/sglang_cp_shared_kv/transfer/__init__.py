@@ -45,7 +45,7 @@ Pages and descriptors per rank per chunk are logged at debug level and counted
 (:func:`.prefill.transfer_stats`; Prometheus counters with ``--enable-metrics``).
 
 Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``rooms`` <-
-``room_failures`` <- ``prefill``, ``decode`` <- ``hooks``, ``hooks_dsa``; this package
+``room_failures`` <- ``prefill``, ``decode`` <- ``hooks``, ``hooks_v0523``; this package
 module imports nothing):
 
 * :mod:`.pages` -- page, run and descriptor arithmetic: the chunk filter, the checks

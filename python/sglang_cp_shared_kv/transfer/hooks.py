@@ -51,28 +51,38 @@ def filter_owned_pages(original, kv_mgr, kv_indices, index_slice, *args, **kwarg
     return context.owned_pages(kv_indices, index_slice)
 
 
-def _delegate_to_shard_transfer(method: str, doc: str):
-    """An AROUND hook on a ``MooncakeKVManager`` method: stock unless this manager moves a
-    shared-KV shard, else ``PrefillShardTransfer.<method>(original, kv_mgr, ...)``."""
-    def hook(original, kv_mgr, *args, **kwargs):
-        context = prefill_transfer(kv_mgr)
-        if context is None:
-            return original(kv_mgr, *args, **kwargs)
-        return getattr(context, method)(original, kv_mgr, *args, **kwargs)
-
-    hook.__doc__ = doc
-    return hook
+def enqueue_owned_chunk(original, kv_mgr, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing
+    (0.5.23's extra keywords travel with the chunk)."""
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(kv_mgr, *args, **kwargs)
+    return context.enqueue(original, kv_mgr, *args, **kwargs)
 
 
-enqueue_owned_chunk = _delegate_to_shard_transfer(
-    "enqueue", "AROUND ``MooncakeKVManager.add_transfer_request``: validate before enqueueing (0.5.23's "
-               "extra keywords travel with the chunk).")
-write_in_bounded_batches = _delegate_to_shard_transfer(
-    "write", "AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write).")
-send_owned_state_pages = _delegate_to_shard_transfer(
-    "send_state", "AROUND ``MooncakeKVManager.maybe_send_extra``.")
-send_aux_unless_failed = _delegate_to_shard_transfer(
-    "send_aux", "AROUND ``MooncakeKVManager.send_aux``.")
+def write_in_bounded_batches(original, kv_mgr, *args, **kwargs):
+    """AROUND ``MooncakeKVManager._transfer_data`` (every KV, state and aux write)."""
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(kv_mgr, *args, **kwargs)
+    return context.write(original, kv_mgr, *args, **kwargs)
+
+
+def send_owned_state_pages(original, kv_mgr, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.maybe_send_extra``: send only the state pages this rank
+    owns."""
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(kv_mgr, *args, **kwargs)
+    return context.send_state(original, kv_mgr, *args, **kwargs)
+
+
+def send_aux_unless_failed(original, kv_mgr, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.send_aux``: no aux for a room that already failed."""
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(kv_mgr, *args, **kwargs)
+    return context.send_aux(original, kv_mgr, *args, **kwargs)
 
 
 def fail_aborted_room_on_decode(original, sender, *args, **kwargs):
