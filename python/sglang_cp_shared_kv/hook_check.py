@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
 from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.settings.config import FLAG
 
 
@@ -101,8 +102,6 @@ def missing_hooks(specs: Optional[Iterable[HookSpec]] = None) -> List[str]:
 
 
 def _why_hooks_miss() -> str:
-    from sglang_cp_shared_kv.releases import installed
-
     version = installed.INSTALLED_VERSION
     if installed.INSTALLED is None:
         return installed.unsupported_base_problem(version)

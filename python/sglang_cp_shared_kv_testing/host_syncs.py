@@ -25,6 +25,7 @@ layer), ``layer 0``, ``later layers``, ``after`` (the rig's own checks).
 from __future__ import annotations
 
 import collections
+import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,8 +35,9 @@ import torch
 
 from sglang_cp_shared_kv.scoped import attributes_set
 
-_PLUGIN_DIR = str(Path(__file__).resolve().parents[1] / "sglang_cp_shared_kv")
-_TESTING_DIR = str(Path(__file__).resolve().parent)
+# NOTE: with the separator, so that the rigs' sibling package (sglang_cp_shared_kv_testing)
+# does not match the plugin's name as a prefix
+_PLUGIN_DIR = str(Path(__file__).resolve().parents[1] / "sglang_cp_shared_kv") + os.sep
 
 #: Tensor methods that read a value on the host or size their output by the data
 _TENSOR_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "nonzero",
@@ -69,7 +71,7 @@ class HostSyncCounter:
     def _count(self, what: str) -> None:
         caller = sys._getframe(2)  # 0: _count, 1: the wrapper, 2: whoever called the torch entry point
         path = caller.f_code.co_filename
-        if path.startswith(_PLUGIN_DIR) and not path.startswith(_TESTING_DIR):
+        if path.startswith(_PLUGIN_DIR):
             site = f"{Path(path).relative_to(_PLUGIN_DIR)}:{caller.f_lineno} {what}"
             self.calls[self.phase][site] += 1
 

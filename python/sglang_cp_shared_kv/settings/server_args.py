@@ -32,7 +32,6 @@ import torch
 from sglang_cp_shared_kv import hook_check, kernels
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.releases import installed, v0512
-from sglang_cp_shared_kv.releases.installed import unsupported_base_problem
 from sglang_cp_shared_kv.settings.config import (
     FLAG,
     FLAG_DEST,
@@ -91,7 +90,7 @@ class _RefuseOnUnsupportedBase(argparse.Action):
     """The flag on an SGLang release without a hook table: naming it stops the parse."""
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{FLAG}: {unsupported_base_problem(installed.INSTALLED_VERSION)}")
+        parser.error(f"{FLAG}: {installed.unsupported_base_problem(installed.INSTALLED_VERSION)}")
 
 
 def add_refusing_flag_to_parser(result, parser, *args, **kwargs):
@@ -101,7 +100,7 @@ def add_refusing_flag_to_parser(result, parser, *args, **kwargs):
     that starts without it; left out, nothing changes."""
     parser.add_argument(FLAG, dest=FLAG_DEST, action=_RefuseOnUnsupportedBase, nargs=0, default=False,
                         help=f"{FLAG_HELP} Not available with the installed SGLang: "
-                             f"{unsupported_base_problem(installed.INSTALLED_VERSION)}.")
+                             f"{installed.unsupported_base_problem(installed.INSTALLED_VERSION)}.")
     stock_options_keep_their_abbreviations(parser, FLAG)
     return result
 
