@@ -14,6 +14,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
+import torch
+
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import nvtx_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward.agreement import ForwardAgreement
@@ -45,7 +48,7 @@ class CpSharedKVContext:
     #: the capacity figures, once ``init_memory_pool`` has built the pool (None before)
     split: Optional[CapacitySplit] = None
     #: the second process group over the CP ranks that carries the one-layer-ahead MLA
-    #: history gathers (``forward.prefetch``); None: prefetch off
+    #: history gathers (``forward.prefetch``; :func:`new_prefetch_group`); None: prefetch off
     prefetch_group: Optional[object] = None
     #: time per stage of this rank's work (``SGLANG_CP_SHARED_KV_NVTX=1`` at startup); None: off
     stage_timer: Optional[StageTimer] = None
@@ -86,3 +89,12 @@ def _forwards_counter():
         "latent reached the shards: local (stored by the rank that computed them, SGLang's "
         "all-gather left out) or gathered (SGLang's all-gather, then the owned rows copied out).",
         ("cp_rank", "index", "mla"))
+
+
+def new_prefetch_group(cp_group=None):
+    """A second process group over the attention-CP group's ranks (``cp_group``: SGLang's
+    ``GroupCoordinator``, default the server's), with its backend. Collective over those
+    ranks only: every CP rank calls it once, at pool construction."""
+    cp_group = cp_group or sg.get_attention_cp_group()
+    backend = torch.distributed.get_backend(cp_group.device_group)
+    return torch.distributed.new_group(ranks=list(cp_group.ranks), backend=backend, use_local_synchronization=True)

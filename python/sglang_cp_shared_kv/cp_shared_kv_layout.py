@@ -194,3 +194,12 @@ class CpSharedKVLayout:
         self._check_non_negative(positions, "request page positions")
         owned = self.owned_pages_mask_np(logical_pages)
         return self._physical_page(logical_pages[owned]), positions[owned]
+
+
+def owner_counts(owners, cp_size: int, placed=None):
+    """Pages per owner rank of the int64 tensor ``owners`` (``placed``: only those entries),
+    without a host synchronisation (NOTE: ``torch.bincount`` on CUDA reads its input's
+    maximum on the host to size its output, even with ``minlength``)."""
+    counts = owners.new_zeros(cp_size)
+    ones = owners.new_ones(owners.shape) if placed is None else placed.to(owners.dtype)
+    return counts.scatter_add_(0, owners, ones)

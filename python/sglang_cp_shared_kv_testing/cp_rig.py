@@ -123,7 +123,7 @@ class Rig:
         self.layout = CpSharedKVLayout(PAGE, n, rank)
         self.shared, self.replicated, self.allocator = self._pools(logical, CpSharedKVContext(self.layout), kwargs)
         if prefetch:
-            from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
+            from sglang_cp_shared_kv.context import new_prefetch_group
 
             self.shared.context.prefetch_group = new_prefetch_group(group)
         self.req_to_token = torch.zeros((MAX_REQS, MAX_LEN), dtype=torch.int32, device=device)

@@ -168,7 +168,8 @@ class InSeqRig(Rig):
 
     def _end_forward(self) -> None:
         """How the forward's chunk reached the shards (the local-writes decision), counted."""
-        plan = self.shared.local_writes[1] if self.shared.local_writes is not None else None
+        kept = self.shared.in_flight.local_writes
+        plan = kept[1] if kept is not None else None
         if plan is not None:
             paths = self.stats.setdefault("write_paths", {})
             key = f"index={'local' if plan.index else 'gathered'},mla={'local' if plan.mla else 'gathered'}"

@@ -139,7 +139,7 @@ class InterleaveRig(Rig):
         attach_batch_state(None, be_s, fb_s)
         self.stats["split_forwards"] += int(split)
         self.stats["requests_without_rows"] += len(batch) - len(rows)
-        listed = self.shared.batch_state.seq_pages
+        listed = self.shared.in_flight.batch_state.seq_pages
         self.stats["pages_listed_twice"] += int(listed.numel() - torch.unique(listed).numel())
         return RigForward(fb_s, be_s, fb_r, be_r, locs, rows=rows, extra=dict(ctx_s=ctx_s, ctx_r=ctx_r, split=split))
 

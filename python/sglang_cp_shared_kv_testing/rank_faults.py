@@ -112,13 +112,15 @@ def _other_locations(rig, n):
 
 def _prefetch_of_another_layer(rig, n):
     """The next layer's prefetched MLA history arrives labelled with a layer after it."""
+    from sglang_cp_shared_kv.forward.in_flight import ForwardInFlight
+
     def wrap(real):
-        def put(history):
+        def put(in_flight, history):
             history.layer_id += 1
-            return real(history)
+            return real(in_flight, history)
         return put
 
-    return _wrapped(rig.shared, "put_prefetched", wrap)
+    return _wrapped(ForwardInFlight, "put_prefetched", wrap)
 
 
 def _group_rank_lies(rig, n):

@@ -7,6 +7,7 @@ import torch
 
 from sglang_cp_shared_kv.context import CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.forward.in_flight import ForwardInFlight
 from sglang_cp_shared_kv.forward.hooks import (
     all_gather_in_seq_order,
     attach_batch_state,
@@ -78,9 +79,10 @@ def test_the_index_key_gather_stays_local_only_inside_get_q_k_of_a_local_writes_
         sglang.append(args)
         return "gathered"
 
-    with pool.in_seq_gathers_kept_local():
+    pool.in_flight = ForwardInFlight(batch_state=None, agreement=pool.context.agreement)
+    with pool.in_flight.gathers_in_seq_kept_local():
         assert all_gather_in_seq_order(gather, rows, 2, fb, None) is rows
-    assert not sglang and not pool.gathers_kept_local
+    assert not sglang and not pool.in_flight.gathers_kept_local
     assert all_gather_in_seq_order(gather, rows, 2, fb, None) == "gathered"  # no metadata: SGLang's
 
 

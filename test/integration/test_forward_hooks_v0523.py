@@ -126,7 +126,7 @@ def test_an_unsplit_batchs_fused_index_store_lands_in_the_dense_view_and_the_own
                                       out_cache_loc=fb.out_cache_loc)
     with forward_context(ctx_r):
         sglang_prepare_and_store(indexer, key, None, fb_r, LAYER, act_quant_reference, out_cache_loc=locs)
-    state = rig.shared.batch_state
+    state = rig.shared.in_flight.batch_state
     assert len(inner) == 2 and torch.equal(inner[0], state.dense_out_locs) and torch.equal(inner[1], locs)
     owned = rig.layout.owned_by_this_rank(locs, validate=False)
     assert 0 < int(owned.sum()) < locs.numel()  # rank 0 owns some of the chunk's pages, not all
@@ -155,7 +155,7 @@ def test_a_store_at_other_locations_than_the_batchs_is_recorded_and_goes_to_the_
     fault = rig.shared.context.agreement.fault
     assert fault.check == "chunk_locations" and fault.layer == LAYER
     assert "other than the batch's out_cache_loc" in fault.message
-    assert torch.equal(calls[-1][1]["out_cache_loc"], rig.shared.batch_state.dense_out_locs)
+    assert torch.equal(calls[-1][1]["out_cache_loc"], rig.shared.in_flight.batch_state.dense_out_locs)
 
 
 def test_a_chunk_with_another_row_count_than_the_batchs_is_recorded_and_replaced_by_zeros(rig):

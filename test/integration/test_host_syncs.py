@@ -5,7 +5,7 @@ phase the rig reports, and leaves torch as it was."""
 import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
-from sglang_cp_shared_kv.forward.batch_state import owned_rows_of
+from sglang_cp_shared_kv.pool.owned_rows import owned_rows_of
 from sglang_cp_shared_kv.forward.dense_layout import build_dense_page_map
 from sglang_cp_shared_kv_testing.host_syncs import HostSyncCounter
 
@@ -28,7 +28,7 @@ def test_counts_the_plugins_synchronising_calls_by_phase_and_site():
     (site, calls), = report["forward start"].items()
     assert site.startswith("forward/dense_layout.py:") and site.endswith("Tensor.tolist") and calls == 1
     assert [s.split(" ", 1)[1] for s in report["layer 0"]] == ["Tensor.nonzero"]
-    assert all(s.startswith("forward/batch_state.py:") for s in report["layer 0"])
+    assert all(s.startswith("pool/owned_rows.py:") for s in report["layer 0"])
 
 
 def test_a_view_of_the_batchs_out_cache_loc_reuses_its_owned_rows_without_a_host_read():

@@ -2,6 +2,8 @@
 ``PagedTokenToKVPoolAllocator`` (CPU; 0.5.23 stores MLA rows with its own CPU path where
 Triton is absent). Runs only where sglang 0.5.23 is installed (``.venv-0.5.23``)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -212,6 +214,6 @@ def test_index_k_goes_to_the_named_target_and_is_read_from_the_dense_view():
     with pytest.raises(RuntimeError, match="without a materialized dense view"):
         pool.get_index_k_scale_buffer(1, **read)
     shard.zero_()  # the read must come from the view
-    pool.set_index_view(1, view)
+    pool.in_flight = SimpleNamespace(mla_view=None, index_view=(1, view))  # the two fields a pool reads
     for mine, theirs in zip(pool.get_index_k_scale_buffer(1, **read), stock.get_index_k_scale_buffer(1, **read)):
         assert torch.equal(mine, theirs)

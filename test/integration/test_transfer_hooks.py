@@ -22,7 +22,7 @@ from sglang_cp_shared_kv import plugin
 from sglang_cp_shared_kv.settings.config import FLAG_DEST
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.transfer import hooks as transfer
-from sglang_cp_shared_kv.transfer import prefill
+from sglang_cp_shared_kv.transfer import prefill, shard_writes
 from sglang_cp_shared_kv.transfer.failure_cause import parse_failure_cause
 from sglang_cp_shared_kv.transfer.pages import (
     MAX_DESCRIPTORS_ENV,
@@ -342,7 +342,7 @@ def test_writes_are_split_into_bounded_batches_and_a_failure_names_its_cause(mon
     assert (stats["write_batches"], stats["write_descriptors"], stats["write_bytes"]) == (3, 7, 70)
 
     failing = Recorder(result=lambda kv_mgr, session, batch: -1 if batch[0][0] == 3 else 0)
-    with caplog.at_level(logging.ERROR, logger=prefill.__name__):
+    with caplog.at_level(logging.ERROR, logger=shard_writes.__name__):
         assert transfer.write_in_bounded_batches(failing, mgr, "peer", blocks) == -1
     assert len(failing.calls) == 2  # stops at the failing batch
     cause = prefill.prefill_transfer(mgr).write_failures.take()
@@ -377,7 +377,7 @@ def test_index_positions_beyond_decodes_list_are_not_sent(caplog):
     req = transfer_info(14, dst_pages=[1], dst_state=[90, 91, 92])
     state = _state_entry(mgr, [11, 12, 13, 14, 15])
     original = Recorder(result=0)
-    with caplog.at_level(logging.WARNING, logger=prefill.__name__):
+    with caplog.at_level(logging.WARNING, logger=shard_writes.__name__):
         transfer.send_owned_state_pages(original, mgr, req, state, None, None)
     (args, _), = original.calls
     assert args[2][0].tolist() == [6, 7] and args[1].dst_state_indices[0].tolist() == [90, 92]

@@ -298,7 +298,7 @@ def test_startup_builds_the_shard_transfer_state():
     mgr = make_manager(cp_size=3, cp_rank=2)
     hooks_dsa.prepare_prefill_transfer(None, mgr)
     context = prefill.built_prefill_transfer(mgr)
-    assert context.layout.cp_rank == 2 and context.state_buffer_pages == {0: 11}  # StateType.DSA found
+    assert context.layout.cp_rank == 2 and context.buffers.state_buffer_pages == {0: 11}  # StateType.DSA found
 
 
 # ------------------------------------------------------------------ decode side

@@ -7,7 +7,9 @@
   ``testing/`` and the ``selfcheck`` that runs them drive SGLang directly, as a server
   would, and are exempt), so one table names every SGLang symbol the plugin uses;
 * the pure modules import no SGLang, and torch only inside the functions that take
-  tensors (they run, and the planner CLI starts fast, without it).
+  tensors (they run, and the planner CLI starts fast, without it);
+* the pool package (storage) imports nothing from ``forward/``: what a forward carries
+  between hooks is the forward's (``forward.in_flight``), reached through ``pool.in_flight``.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def find_cycle(graph: Dict[str, Set[str]]):
 def test_the_package_import_graph_has_no_cycle():
     graph = internal_graph()
     assert len(graph) > 20  # the walk found the package
-    assert f"{PACKAGE}.forward.writes" in graph[f"{PACKAGE}.pool.kv_pool_v0512"]  # the walk sees real edges
+    assert f"{PACKAGE}.pool.owned_rows" in graph[f"{PACKAGE}.pool.kv_pool_v0512"]  # the walk sees real edges
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -166,3 +168,15 @@ def test_concern_package_inits_import_nothing(package):
     """Importing one module of a concern package runs only that package's docstring."""
     init = ROOT / package / "__init__.py"
     assert imported_names(init, f"{PACKAGE}.{package}") == []
+
+
+def test_the_pool_package_imports_nothing_from_forward():
+    """Storage does not reach up into the forward path (issue 35 item 3)."""
+    graph = internal_graph()
+    pool_modules = [name for name in graph if name.startswith(f"{PACKAGE}.pool.")]
+    assert f"{PACKAGE}.pool.kv_pool_base" in pool_modules and len(pool_modules) > 8
+    offenders = {name: sorted(t for t in graph[name] if t.startswith(f"{PACKAGE}.forward"))
+                 for name in pool_modules}
+    assert not any(offenders.values()), {k: v for k, v in offenders.items() if v}
+    # and the check can fail: the forward package does import the pool
+    assert any(t.startswith(f"{PACKAGE}.pool.") for t in graph[f"{PACKAGE}.forward.hooks"])

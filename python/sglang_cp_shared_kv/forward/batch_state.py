@@ -5,7 +5,7 @@ padding and its own metadata, once per forward, before the model). For one seque
 computes, on the device,
 
 * the rows of ``out_cache_loc`` this rank owns and their physical locations
-  (:func:`owned_rows_of` hands them to every owner store of this forward);
+  (``pool.owned_rows.owned_rows_of`` hands them to every owner store of this forward);
 * the dense placement of the sequence's pages (:mod:`.dense_layout`) and from it the
   *page inverse*, a logical page -> dense page table;
 * the dense location of every ``out_cache_loc`` row, and of the owned ones (the owner
@@ -43,6 +43,7 @@ from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.forward import several_requests_v0523 as several_requests
 from sglang_cp_shared_kv.forward.dense_layout import DensePageMap, build_dense_page_map
 from sglang_cp_shared_kv.kernels import KernelDispatch
+from sglang_cp_shared_kv.pool.owned_rows import with_physical_locs
 
 logger = logging.getLogger(__name__)
 
@@ -102,34 +103,6 @@ class CpSharedBatchState:
         return int(self.owned_rows.numel())
 
 
-def owned_rows_of(layout: CpSharedKVLayout, state: Optional[CpSharedBatchState],
-                  loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(rows of ``loc`` this rank owns, their physical locations).
-
-    The batch's own ``out_cache_loc`` -- the tensor itself or a view of the same memory
-    (``.contiguous()`` or ``.view`` of it) -- reuses the rows computed once per forward; any
-    other location tensor is filtered here (one host synchronisation).
-    """
-    if state is not None and same_memory(loc, state.out_cache_loc):
-        return state.owned_rows, state.owned_physical_locs
-    return _with_physical_locs(layout, loc, layout.owned_by_this_rank(loc, validate=False).nonzero().squeeze(1))
-
-
-def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` reads exactly ``b``'s elements (same storage, offset, shape, strides, dtype).
-
-    NOTE: ``out_cache_loc`` is not written during a forward, so equal memory means equal
-    locations; a writer's ``.contiguous()`` of it is the same tensor, not a copy."""
-    return a is b or (a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
-                      and a.stride() == b.stride() and a.data_ptr() == b.data_ptr())
-
-
-def _with_physical_locs(layout: CpSharedKVLayout, loc: torch.Tensor,
-                        rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(``rows``, the physical locations of ``loc`` at those rows, which this rank owns)."""
-    return rows, layout.logical_locs_to_physical(loc.index_select(0, rows), validate=False)
-
-
 def cp_device_group(layout: CpSharedKVLayout):
     """The attention-CP process group SGLang set up for this rank (the gathers' group;
     :func:`check_cp_group` checks it against the layout)."""
@@ -171,7 +144,7 @@ def build_batch_state(layout: CpSharedKVLayout, kernels: KernelDispatch, group, 
     # NOTE: the owned-row count rides in the page map's host read, the forward's only
     # synchronisation; nonzero_static then needs none (nonzero would read its size)
     page_map = build_dense_page_map(layout, seq_pages, history_pages, read_also=(owned.sum(),), repeats=several)
-    owned_rows, owned_physical_locs = _with_physical_locs(
+    owned_rows, owned_physical_locs = with_physical_locs(
         layout, out_cache_loc, torch.nonzero_static(owned, size=page_map.read_also[0]).squeeze(1))
     page_inverse = kernels.build_page_inverse(seq_pages, page_map.dense_page, num_logical_pages)
     # SGLang's padding rows sit at location 0, the dummy page, which maps to the dense dummy page.

@@ -39,7 +39,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout, owner_counts
 from sglang_cp_shared_kv.pool.kv_geometry import DENSE_DUMMY_PAGES
 
 
@@ -125,15 +125,6 @@ def _run_of(owned: torch.Tensor, physical: torch.Tensor) -> torch.Tensor:
     first = torch.where(owned, offset, big).min() if owned.numel() else offset.new_tensor(big)
     is_run = torch.where(owned, offset, first).eq(first).all() & owned.any()
     return torch.stack([first, is_run.to(first.dtype)])
-
-
-def owner_counts(owners: torch.Tensor, cp_size: int, placed: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Pages per owner rank (``placed``: only those entries), without a host synchronisation
-    (NOTE: ``torch.bincount`` on CUDA reads its input's maximum on the host to size its
-    output, even with ``minlength``)."""
-    counts = torch.zeros(cp_size, dtype=torch.int64, device=owners.device)
-    ones = torch.ones_like(owners) if placed is None else placed.to(owners.dtype)
-    return counts.scatter_add_(0, owners, ones)
 
 
 def first_listings(pages: torch.Tensor) -> torch.Tensor:

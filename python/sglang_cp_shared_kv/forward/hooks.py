@@ -30,7 +30,8 @@ from sglang_cp_shared_kv.scoped import attributes_set
 def batch_state_of(forward_batch) -> Optional[CpSharedBatchState]:
     """The shared-KV state of the forward in flight, None on a stock pool (flag off)."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
-    return pool.batch_state if isinstance(pool, CpSharedPoolMixin) else None
+    in_flight = pool.in_flight if isinstance(pool, CpSharedPoolMixin) else None
+    return in_flight.batch_state if in_flight is not None else None
 
 
 def attach_batch_state(result, backend, forward_batch, *args, **kwargs):
@@ -60,7 +61,7 @@ def index_key_kept_local(original, indexer, q_lora, x, positions, enable_dual_st
     state = batch_state_of(forward_batch)
     if state is None or not local_writes.plan_for(forward_batch.token_to_kv_pool, forward_batch).index:
         return original(indexer, q_lora, x, positions, enable_dual_stream, forward_batch=forward_batch)
-    with forward_batch.token_to_kv_pool.in_seq_gathers_kept_local():
+    with forward_batch.token_to_kv_pool.in_flight.gathers_in_seq_kept_local():
         return original(indexer, q_lora, x, positions, enable_dual_stream, forward_batch=forward_batch)
 
 
@@ -142,7 +143,8 @@ def all_gather_in_seq_order(original, input_tensor, cp_size, forward_batch, stre
     the modules that imported it: ``nsa_indexer``, ``deepseek_v2``, ``deepseek_nextn``)."""
     pool = getattr(forward_batch, "token_to_kv_pool", None)
     uses_shared_kv = isinstance(pool, CpSharedPoolMixin)
-    if uses_shared_kv and pool.gathers_kept_local:  # the index key of a local-writes forward
+    in_flight = pool.in_flight if uses_shared_kv else None
+    if in_flight is not None and in_flight.gathers_kept_local:  # the index key of a local-writes forward
         return input_tensor
     if not in_seq_rerange.takes_plugin_path(input_tensor, forward_batch, uses_shared_kv):
         return original(input_tensor, cp_size, forward_batch, stream)

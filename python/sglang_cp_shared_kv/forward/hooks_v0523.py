@@ -34,14 +34,15 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.forward import materialize, steps
-from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, same_memory
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.pool.owned_rows import same_memory
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 
 
 def _shared_pool_in_flight(pool) -> Optional[CpSharedPoolMixin]:
     """``pool`` when it is a shared-KV pool with a batch in flight whose index stores are
     the plugin's to direct (None: flag off, idle batch, or a store the plugin issued itself)."""
-    if not isinstance(pool, CpSharedPoolMixin) or pool.batch_state is None or pool.directs_index_writes:
+    if not isinstance(pool, CpSharedPoolMixin) or pool.in_flight is None or pool.directs_index_writes:
         return None
     return pool
 
@@ -76,7 +77,7 @@ def store_index_k_owned_and_dense(original, indexer, forward_batch, layer_id, ke
     pool = _shared_pool_in_flight(sg.get_token_to_kv_pool())
     if pool is None:
         return original(indexer, forward_batch, layer_id, key, act_quant=act_quant, out_cache_loc=out_cache_loc)
-    state = pool.batch_state
+    state = pool.in_flight.batch_state
     _check_chunk_locations(pool, state, out_cache_loc, "the index store", layer_id)
 
     def sglang_store(keys, locs):
@@ -94,7 +95,7 @@ def fused_index_k_owned_and_dense(original, indexer, key_raw, positions, forward
     pool = _shared_pool_in_flight(sg.get_token_to_kv_pool())
     if pool is None:
         return original(indexer, key_raw, positions, forward_batch, layer_id, act_quant, out_cache_loc=out_cache_loc)
-    state = pool.batch_state
+    state = pool.in_flight.batch_state
     _check_chunk_locations(pool, state, out_cache_loc, "the fused index prepare-and-store", layer_id)
 
     def sglang_prepare_and_store(dense):
@@ -111,10 +112,11 @@ def forward_extend_on_dense_view(original, backend, q, k, v, layer, forward_batc
     gathered chunk stored into it, the owned rows into the shard), then SGLang's
     ``forward_extend`` reading that view and storing nothing."""
     pool = backend.token_to_kv_pool
-    if not isinstance(pool, CpSharedPoolMixin) or pool.batch_state is None:
+    in_flight = pool.in_flight if isinstance(pool, CpSharedPoolMixin) else None
+    if in_flight is None:
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
     k_rope = kwargs.get("k_rope")
     chunk = (k, k_rope) if save_kv_cache and k is not None and k_rope is not None else None
     return steps.attend_on_dense_view(
-        pool.batch_state, pool, layer, chunk,
+        in_flight.batch_state, pool, layer, chunk,
         lambda: original(backend, q, k, v, layer, forward_batch, save_kv_cache=False, **kwargs))

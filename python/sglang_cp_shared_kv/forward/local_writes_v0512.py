@@ -162,13 +162,14 @@ PLAN_FIELDS = ("index_local", "mla_local")
 
 
 def plan_for(pool, forward_batch) -> LocalWrites:
-    """The decision for the forward in flight, made on its first call and kept on the pool.
+    """The decision for the forward in flight, made on its first call and kept in it.
     This rank's segments are checked against the plan's (a difference recorded for the
     forward's agreement point); in debug mode the plan is checked against SGLang's own split
     and the group agrees on the decision before any collective depends on it."""
-    state = pool.batch_state
+    in_flight = pool.in_flight
+    state = in_flight.batch_state
     cp_metadata = getattr(forward_batch, "attn_cp_metadata", None)
-    kept = pool.local_writes
+    kept = in_flight.local_writes
     if kept is not None and kept[0] is cp_metadata:
         return kept[1]
     agreement = pool.context.agreement
@@ -185,5 +186,5 @@ def plan_for(pool, forward_batch) -> LocalWrites:
         agreement.agree(cp_cpu_group(), extra=(int(plan.index), int(plan.mla)), extra_names=PLAN_FIELDS,
                         extra_what="the local-writes decision")
     pool.context.count_write_path("local" if plan.index else "gathered", "local" if plan.mla else "gathered")
-    pool.local_writes = (cp_metadata, plan)
+    in_flight.local_writes = (cp_metadata, plan)
     return plan

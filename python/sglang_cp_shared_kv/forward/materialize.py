@@ -172,7 +172,7 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     ``store_chunk_into(dense)`` (SGLang's store of the gathered chunk) and the owner copy of
     this rank's chunk rows into its shard -- or, with ``store_chunk_into`` None (the chunk's
     rows are in the shards already: local writes), the current region gathered too."""
-    pool.clear_views()
+    pool.in_flight.clear_views()
     page_map, page_size = state.page_map, state.layout.page_size
     shard = pool.physical_index_buffer(layer_id)
     with marked(INDEX_STAGES.view, state.timer):
@@ -191,7 +191,7 @@ def materialize_index(state: CpSharedBatchState, pool, layer_id: int,
     if state.debug:
         logger.debug("CP shared KV layer %d index: dense %d pages, received %d B%s", layer_id,
                      page_map.num_dense_pages, received, "" if store_chunk_into is not None else " (chunk local)")
-    pool.set_index_view(layer_id, dense)
+    pool.in_flight.set_index_view(layer_id, dense)
 
 
 # -------------------------------------------------------------------------- MLA

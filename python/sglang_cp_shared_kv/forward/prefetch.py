@@ -51,9 +51,7 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
-from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.forward.materialize import MlaHistory, gather_mla_history
 from sglang_cp_shared_kv.observability.nvtx import marked
@@ -61,19 +59,10 @@ from sglang_cp_shared_kv.observability.nvtx import marked
 logger = logging.getLogger(__name__)
 
 
-def new_prefetch_group(cp_group=None):
-    """A second process group over the attention-CP group's ranks (``cp_group``: SGLang's
-    ``GroupCoordinator``, default the server's), with its backend. Collective over those
-    ranks only: every CP rank calls it once, at pool construction."""
-    cp_group = cp_group or sg.get_attention_cp_group()
-    backend = torch.distributed.get_backend(cp_group.device_group)
-    return torch.distributed.new_group(ranks=list(cp_group.ranks), backend=backend, use_local_synchronization=True)
-
-
 def history_of(state: CpSharedBatchState, pool, layer_id: int, *, full_view: bool) -> MlaHistory:
     """Layer ``layer_id``'s MLA history: the prefetched one, else gathered now. ``full_view``:
     the layer reads its chunk rows from the shards (``save_kv_cache=False``)."""
-    prefetched = pool.take_prefetched(layer_id)
+    prefetched = pool.in_flight.take_prefetched(layer_id)
     if prefetched is not None and full_view and state.prefix_ends_mid_page:
         prefetched.wait()  # complete it on every rank, then drop it: its shared page predates the chunk rows
         prefetched = None
@@ -89,6 +78,6 @@ def prefetch_next(state: CpSharedBatchState, pool, layer_id: int) -> None:
         return
     # a container: the layer's materialize:mla:view / pack / gather are timed inside it too
     with marked("prefetch:issue", state.timer):
-        pool.put_prefetched(gather_mla_history(state, pool, layer_id + 1, group, async_op=True))
+        pool.in_flight.put_prefetched(gather_mla_history(state, pool, layer_id + 1, group, async_op=True))
     if state.debug:
         logger.debug("CP shared KV: layer %d MLA history prefetch started during layer %d", layer_id + 1, layer_id)

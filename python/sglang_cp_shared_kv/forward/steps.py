@@ -3,8 +3,8 @@
 and the batch in their release's arguments and call these.
 
 * :func:`begin_forward` -- once per forward, after the attention backend's metadata: the
-  batch state (:mod:`.batch_state`) on the pool, the backend's page tables pointed at the
-  dense scratch;
+  batch state (:mod:`.batch_state`) in the forward's :class:`.in_flight.ForwardInFlight`
+  on the pool, the backend's page tables pointed at the dense scratch;
 * :func:`store_gathered_index_chunk` -- per layer, the index key of the whole chunk (every
   rank holds all of it after SGLang's all-gather): the layer's dense index view, the chunk
   stored into it by SGLang's store, this rank's owned rows copied into its shard;
@@ -24,16 +24,17 @@ import torch
 from sglang_cp_shared_kv.forward import batch_state as batch_state_module
 from sglang_cp_shared_kv.forward import materialize, prefetch, writes
 from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
+from sglang_cp_shared_kv.forward.in_flight import ForwardInFlight
 from sglang_cp_shared_kv.observability.nvtx import marked
 
 
 def begin_forward(pool, backend, forward_batch, *, one_request: bool = False) -> Optional[CpSharedBatchState]:
-    """The batch state of ``forward_batch`` on ``pool`` (None: an idle batch), handed to the
-    pool, with ``backend.forward_metadata`` translated to the dense scratch (``one_request``:
+    """The batch state of ``forward_batch`` on ``pool`` (None: an idle batch), in the
+    forward's :class:`.in_flight.ForwardInFlight` set on the pool, with ``backend.forward_metadata`` translated to the dense scratch (``one_request``:
     the release's CP split takes one request per batch, a batch of more is refused). The
     forward must then reach its agreement point (:mod:`.agreement`); in debug mode the
     batch-state checks and the gather plan are agreed here, before the first collective."""
-    pool.end_batch()
+    pool.in_flight = None  # only a failed forward that never reached end_forward leaves one
     agreement = pool.context.agreement
     if not forward_batch.forward_mode.is_idle():
         agreement.begin_forward()
@@ -54,17 +55,17 @@ def begin_forward(pool, backend, forward_batch, *, one_request: bool = False) ->
         agreement.agree(batch_state_module.cp_cpu_group(), extra=batch_state_module.gather_plan(state),
                         extra_names=batch_state_module.GATHER_PLAN_FIELDS, extra_what="the gather plan")
     backend.forward_metadata = dense
-    pool.begin_batch(state)
+    pool.in_flight = ForwardInFlight(state, agreement)
     return state
 
 
 def end_forward(pool) -> None:
     """After the model's forward, on every CP rank: the forward's agreement point (nothing
-    when it began no shared-KV batch, an idle one); the batch's state and views dropped."""
+    when it began no shared-KV batch, an idle one); the forward in flight dropped."""
     try:
         pool.context.agreement.end_forward(batch_state_module.cp_cpu_group())
     finally:
-        pool.end_batch()
+        pool.in_flight = None
 
 
 def rows_for_locations(pool, state: CpSharedBatchState, rows: torch.Tensor, what: str, layer_id: int) -> torch.Tensor:
@@ -104,9 +105,10 @@ def attend_on_dense_view(state: CpSharedBatchState, pool, layer,
         chunk = tuple(rows_for_locations(pool, state, rows, "the MLA latent chunk", layer.layer_id) for rows in chunk)
     # prefetched during the layer before, or gathered now
     history = prefetch.history_of(state, pool, layer.layer_id, full_view=chunk is None)
+    in_flight = pool.in_flight
     try:
         prefetch.prefetch_next(state, pool, layer.layer_id)
-        pool.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
+        in_flight.set_mla_view(layer.layer_id, materialize.finish_mla_view(state, pool, layer, history, chunk))
         return attend()
     finally:
-        pool.clear_views()  # this layer's index reads are done too
+        in_flight.clear_views()  # this layer's index reads are done too

@@ -15,7 +15,7 @@ Per layer each chunk row is quantised and stored **once** on a rank:
 
 Any other MLA writer of SGLang (the full-view path, where the chunk was written before
 ``forward_extend``) goes through the pool's ``set_mla_kv_buffer``, which stores the owned
-rows of what it is given: :func:`store_owned_mla_rows`. SGLang's own store into a given
+rows of what it is given (``pool.owned_rows.store_owned_mla_rows``). SGLang's own store into a given
 buffer is the pool's ``stock_store_mla_rows`` (each release's pool class says how).
 
 Every store takes the fused kernel of ``sgl-kernel/`` where it writes SGLang's bytes
@@ -31,26 +31,10 @@ from typing import Callable
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState, owned_rows_of
+from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 
 
 # -------------------------------------------------------------------------- MLA rows
-def store_owned_mla_rows(pool, layer, loc: torch.Tensor, k_nope: torch.Tensor, k_rope: torch.Tensor) -> None:
-    """Write the rows of ``loc`` this rank owns at their physical locations; drop the rest."""
-    rows, physical_locs = owned_rows_of(pool.cp_layout, pool.batch_state, loc)
-    if not rows.numel():
-        return
-
-    shard = pool.physical_kv_buffer(layer.layer_id)
-
-    def stock():
-        pool.stock_store_mla_rows(layer, shard, physical_locs, k_nope.index_select(0, rows),
-                                  k_rope.index_select(0, rows))
-
-    pool.context.kernels.store_mla_rows(shard, rows, physical_locs, k_nope, k_rope,
-                                        packed_fp8=pool.stores_packed_fp8, stock=stock)
-
-
 def store_local_mla_rows(pool, layer, physical_locs: torch.Tensor, k_nope: torch.Tensor,
                          k_rope: torch.Tensor) -> None:
     """Row i of (k_nope | k_rope) at ``physical_locs[i]`` of this rank's shard: the rows this

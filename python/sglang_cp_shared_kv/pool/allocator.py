@@ -40,7 +40,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
-from sglang_cp_shared_kv.forward.dense_layout import owner_counts
+from sglang_cp_shared_kv.cp_shared_kv_layout import owner_counts
 from sglang_cp_shared_kv.pool.page_split import page_aligned_split
 
 logger = logging.getLogger(__name__)

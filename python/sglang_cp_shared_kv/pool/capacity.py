@@ -30,7 +30,7 @@ from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocat
 from sglang_cp_shared_kv.settings.config import DEBUG_ENV, FLAG, PREFETCH_ENV, debug_enabled, prefetch_enabled, shares_kv
 from sglang_cp_shared_kv.context import CapacitySplit, CpSharedKVContext
 from sglang_cp_shared_kv.cp_shared_kv_layout import SHARD_POLICY, CpSharedKVLayout
-from sglang_cp_shared_kv.forward.prefetch import new_prefetch_group
+from sglang_cp_shared_kv.context import new_prefetch_group
 from sglang_cp_shared_kv.pool.page_split import page_by_page_chunk_unit
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.settings.rank_settings import check_ranks_agree

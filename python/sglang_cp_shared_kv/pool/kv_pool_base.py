@@ -12,8 +12,10 @@ SGLang's own DSA/NSA pool (``pool.CpSharedNSATokenToKVPool`` on 0.5.12.post1,
   rather than read physical rows with dense or logical locations;
 * index writes go to the buffer :meth:`index_writes_into` names for one store (this rank's
   physical pages, or the dense view);
-* the per-batch state (``batch_state``), the prefetched history and the local-writes
-  decision live here, reset together by :meth:`begin_batch` / :meth:`end_batch`;
+* what one forward carries between hooks (batch state, dense views, prefetched history,
+  local-writes decision) is not the pool's: it is ``in_flight`` (``forward.in_flight``),
+  one object set at the batch's start and dropped at its end; the pool reads its two
+  views and imports nothing from ``forward/``;
 * paths that address rows by location (host offload, non-MLA writes) refuse.
 
 What differs per release -- the constructor's arguments, the MLA store's signature and
@@ -25,14 +27,13 @@ release's class. SGLang's index-K kernels are the table's ``index_k_ops`` (the s
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import ClassVar, Optional, Tuple
+from typing import Any, ClassVar, Optional, Tuple
 
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.context import CpSharedKVContext
-from sglang_cp_shared_kv.forward.batch_state import CpSharedBatchState
 from sglang_cp_shared_kv.scoped import attributes_set
 
 
@@ -70,67 +71,15 @@ class CpSharedPoolMixin:
         ``size``; the buffers stay physical. Starts with no batch in flight."""
         self.size = size
         self.logical_size = size
-        self.batch_state: Optional[CpSharedBatchState] = None
-        self._mla_view: Optional[Tuple[int, torch.Tensor]] = None
-        self._index_view: Optional[Tuple[int, torch.Tensor]] = None
+        #: the forward in flight (a ``forward.in_flight.ForwardInFlight``; None between forwards)
+        self.in_flight: Any = None
+        # NOTE: set only inside index_writes_into's block (one store call), never across hooks
         self._index_write_target: Optional[Tuple[int, torch.Tensor]] = None
-        self._prefetched = None  # the next layer's MLA history being gathered (forward.prefetch)
-        #: (the batch's CP metadata, its forward.local_writes.LocalWrites), decided at its first layer
-        self.local_writes = None
-        self._gathers_kept_local = False  # within Indexer._get_q_k_bf16 of a local-writes forward
 
     @property
     def cp_layout(self):
         """This rank's layout (the context's)."""
         return self.context.layout
-
-    # ---------------------------------------------------------------- per batch
-    def begin_batch(self, state: CpSharedBatchState) -> None:
-        self.end_batch()
-        self.batch_state = state
-
-    def end_batch(self) -> None:
-        self.batch_state = None
-        self.local_writes = None
-        self._prefetched = None  # only a failed forward leaves one: the last layer starts nothing
-        self.clear_views()
-
-    def clear_views(self) -> None:
-        self._mla_view = None
-        self._index_view = None
-
-    def set_mla_view(self, layer_id: int, dense: torch.Tensor) -> None:
-        self._mla_view = (layer_id, dense)
-
-    def set_index_view(self, layer_id: int, dense: torch.Tensor) -> None:
-        self._index_view = (layer_id, dense)
-
-    @contextmanager
-    def in_seq_gathers_kept_local(self):
-        """Within the block, SGLang's in-seq all-gather returns this rank's rows as they are
-        (the index key of a local-writes forward, ``forward.local_writes_v0512``)."""
-        with attributes_set(self, _gathers_kept_local=True):
-            yield
-
-    @property
-    def gathers_kept_local(self) -> bool:
-        return self._gathers_kept_local
-
-    def put_prefetched(self, history) -> None:
-        """Keep the next layer's MLA history (``forward.materialize.MlaHistory``) until it is taken."""
-        self._prefetched = history
-
-    def take_prefetched(self, layer_id: int):
-        """The MLA history prefetched for ``layer_id`` (None if there is none for it). One
-        prefetched for another layer (the layers ran out of order) is recorded for the
-        forward's agreement point and taken all the same: its gather was issued on every
-        rank, so taking it keeps this rank's collectives in step with the group's."""
-        history, self._prefetched = self._prefetched, None
-        if history is not None and history.layer_id != layer_id:
-            self.context.agreement.record(
-                "prefetch_layer", f"layer {layer_id} found layer {history.layer_id}'s prefetched history; the "
-                "layers ran out of order", layer_id)
-        return history
 
     def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:
         return self.kv_buffer[layer_id - self.start_layer]
@@ -138,7 +87,16 @@ class CpSharedPoolMixin:
     def physical_index_buffer(self, layer_id: int) -> torch.Tensor:
         return self.index_k_with_scale_buffer[layer_id - self.start_layer]
 
-    def _view(self, view, layer_id: int, what: str) -> torch.Tensor:
+    def mla_view(self, layer_id: int) -> torch.Tensor:
+        """The dense MLA view of ``layer_id`` the forward in flight materialized."""
+        return self._view(None if self.in_flight is None else self.in_flight.mla_view, layer_id, "the MLA KV")
+
+    def index_view(self, layer_id: int, what: str = "the index K and scale") -> torch.Tensor:
+        """The dense index K/scale view of ``layer_id`` the forward in flight materialized."""
+        return self._view(None if self.in_flight is None else self.in_flight.index_view, layer_id, what)
+
+    @staticmethod
+    def _view(view, layer_id: int, what: str) -> torch.Tensor:
         if view is None or view[0] != layer_id:
             raise RuntimeError(
                 f"{FLAG}: {what} of layer {layer_id} read without a materialized dense view; "
@@ -159,7 +117,7 @@ class CpSharedPoolMixin:
         raise NotImplementedError
 
     def get_key_buffer(self, layer_id: int):
-        dense = self._view(self._mla_view, layer_id, "the MLA KV")
+        dense = self.mla_view(layer_id)
         return dense.view(self.dtype) if self.store_dtype != self.dtype else dense
 
     def get_value_buffer(self, layer_id: int):
@@ -193,7 +151,7 @@ class CpSharedPoolMixin:
         )
 
     def get_index_k_scale_buffer(self, layer_id, seq_len_tensor, page_indices, seq_len_sum, max_seq_len):
-        buf = self._view(self._index_view, layer_id, "the index K and scale")
+        buf = self.index_view(layer_id)
         return sg.index_k_ops.GetKAndS.execute(
             self, buf, page_indices=page_indices, seq_len_tensor=seq_len_tensor,
             seq_len_sum=seq_len_sum, max_seq_len=max_seq_len,

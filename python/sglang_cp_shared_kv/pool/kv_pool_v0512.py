@@ -14,7 +14,7 @@ are everywhere else (HiSparse ``isinstance`` checks, a decode server in the same
 environment).
 
 ``set_mla_kv_buffer`` writes only the rows this rank owns, at physical locations (every
-CUDA MLA writer goes through it; :func:`forward.writes.store_owned_mla_rows`).
+CUDA MLA writer goes through it; :func:`pool.owned_rows.store_owned_mla_rows`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Optional
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
 from sglang_cp_shared_kv.context import CpSharedKVContext
-from sglang_cp_shared_kv.forward.writes import store_owned_mla_rows
+from sglang_cp_shared_kv.pool.owned_rows import store_owned_mla_rows
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.scoped import attributes_set
 
@@ -62,11 +62,11 @@ class CpSharedNSATokenToKVPool(CpSharedPoolMixin, sg.NSATokenToKVPool):
         return self.nsa_kv_cache_store_fp8
 
     def get_index_k_continuous(self, layer_id, seq_len, page_indices):
-        buf = self._view(self._index_view, layer_id, "the index K")
+        buf = self.index_view(layer_id, "the index K")
         return sg.index_k_ops.GetK.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
     def get_index_k_scale_continuous(self, layer_id, seq_len, page_indices):
-        buf = self._view(self._index_view, layer_id, "the index K scale")
+        buf = self.index_view(layer_id, "the index K scale")
         return sg.index_k_ops.GetS.execute(self, buf, seq_len=seq_len, page_indices=page_indices)
 
 

@@ -30,7 +30,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.pool.allocator import CpSharedInterleavedPagesAllocator
 from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.context import CpSharedKVContext
-from sglang_cp_shared_kv.forward.writes import store_owned_mla_rows
+from sglang_cp_shared_kv.pool.owned_rows import store_owned_mla_rows
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 from sglang_cp_shared_kv.scoped import attributes_set
 

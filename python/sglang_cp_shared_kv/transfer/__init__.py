@@ -44,9 +44,9 @@ otherwise, and the decode-side ones act only on a message a shared-KV prefill se
 Pages and descriptors per rank per chunk are logged at debug level and counted
 (:func:`.prefill.transfer_stats`; Prometheus counters with ``--enable-metrics``).
 
-Modules (imports point one way: ``pages``, ``failure_cause``, ``stats`` <- ``rooms`` <-
-``room_failures`` <- ``prefill``, ``decode`` <- ``hooks``, ``hooks_v0523``; this package
-module imports nothing):
+Modules (imports point one way: ``pages``, ``failure_cause``, ``stats``, ``startup`` <-
+``rooms`` <- ``chunk_admission``, ``shard_writes``, ``room_failures`` <- ``prefill``,
+``decode`` <- ``hooks``, ``hooks_v0523``; this package module imports nothing):
 
 * :mod:`.pages` -- page, run and descriptor arithmetic: the chunk filter, the checks
   before enqueueing, index-state ownership, bounded batches, the batch-size setting
@@ -54,12 +54,20 @@ module imports nothing):
 * :mod:`.failure_cause` -- the cause message's wire format and the bounded room -> text
   map (pure);
 * :mod:`.stats` -- :class:`.stats.TransferStats` and the Prometheus counters;
+* :mod:`.startup` -- what the transfer checks and reads once when a prefill manager starts:
+  the manager's problems, this rank's layout, :class:`.startup.RegisteredBuffers`, the
+  check against the rank's pool;
 * :mod:`.rooms` -- a room's decode targets read safely, the failed mark, the write-failure
   hand-off, and the cause and abort messages to decode;
+* :mod:`.chunk_admission` -- which pages of a chunk a rank sends, checked, counted and
+  replaced in place before SGLang enqueues them (:class:`.chunk_admission.ChunkAdmission`);
+* :mod:`.shard_writes` -- the Mooncake writes: bounded batches, the NSA index state by
+  sequence position, aux withheld for a failed room (:class:`.shard_writes.ShardWrites`);
 * :mod:`.room_failures` -- when a prefill rank tells decode a room failed (an abort; the
   cause ahead of SGLang's Failed status);
-* :mod:`.prefill` -- the sender state of one prefill manager
-  (:class:`.prefill.PrefillShardTransfer`, ``prefill_transfer``, ``transfer_stats``);
+* :mod:`.prefill` -- the shard transfer of one prefill manager, validated at startup
+  (:class:`.prefill.PrefillShardTransfer`, whose bases are the three above;
+  ``prefill_transfer``, ``transfer_stats``);
 * :mod:`.decode` -- decode keeps the cause and names it in its failure;
 * :mod:`.hooks` -- the thin hook functions ``plugin.HOOKS`` registers (and 0.5.23's table
   where the target kept its shape);

@@ -4,9 +4,10 @@ their shape, and :mod:`.hooks_v0523`'s where they changed).
 
 Each one is thin: it finds the manager's shard-transfer state
 (:func:`.prefill.prefill_transfer`, None unless the flag is on and the manager is a
-prefill one) and passes straight through to SGLang without it; with it, the work is
-:class:`.prefill.PrefillShardTransfer`'s. The decode hooks act only on the cause message
-(:mod:`.decode`).
+prefill one) and passes straight through to SGLang without it; with it, the work is a
+named method of :class:`.prefill.PrefillShardTransfer` (its startup checks, or a method of
+its chunk admission, its writes or its failure notices). The decode hooks act only on the
+cause message (:mod:`.decode`).
 """
 
 from __future__ import annotations

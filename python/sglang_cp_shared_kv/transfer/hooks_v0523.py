@@ -46,7 +46,7 @@ def prepare_prefill_transfer(result, kv_mgr, *args, **kwargs):
 def every_rank_sends_its_index_pages(original, kv_mgr, *args, **kwargs):
     """AROUND ``MooncakeKVManager._should_skip_cp_replicated_state_transfer`` (inherited from
     ``CommonKVManager``): never skip under the flag, where each CP rank holds only the index
-    pages it owns (:meth:`.prefill.PrefillShardTransfer.send_state` sends exactly those)."""
+    pages it owns (:meth:`.shard_writes.ShardWrites.send_state` sends exactly those)."""
     if prefill_transfer(kv_mgr) is not None:
         return False
     return original(kv_mgr, *args, **kwargs)

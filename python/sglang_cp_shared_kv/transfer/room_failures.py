@@ -1,32 +1,44 @@
 """How one prefill CP rank tells decode that a room failed: the abort path (a room the
 prefill ends before its last chunk went out) and the cause ahead of SGLang's own Failed
 status. :class:`RoomFailureNotices` is a base of :class:`.prefill.PrefillShardTransfer`
-and uses its state (``who``, ``stats``, ``counters``, ``write_failures``, ``_rejected``,
-``_abort_notices``, ``_aborted_unregistered``, ``_registration_lock``); the messages
-themselves are :mod:`.rooms`' and :mod:`.failure_cause`'s.
+(beside :class:`.chunk_admission.ChunkAdmission` and :class:`.shard_writes.ShardWrites`)
+and uses its state; the messages themselves are :mod:`.rooms`' and :mod:`.failure_cause`'s.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Iterable, Optional, Tuple
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.transfer.failure_cause import encode_failed_status, encode_failure_cause
+from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failed_status, encode_failure_cause
 from sglang_cp_shared_kv.transfer.rooms import (
+    AbortNotices,
+    WriteFailureHandOff,
     mark_failed,
     prefill_unique_rank,
     registration_complete,
     room_targets,
     send_failure_cause,
 )
+from sglang_cp_shared_kv.transfer.stats import RankCounters, TransferStats
 
 logger = logging.getLogger(__name__)
 
 
 class RoomFailureNotices:
-    """The failure notices of one prefill manager's shard transfer (a mixin: the state is
-    :class:`.prefill.PrefillShardTransfer`'s)."""
+    """The failure notices of one prefill manager's shard transfer: a base of
+    :class:`.prefill.PrefillShardTransfer`, whose state below it reads."""
+
+    who: str
+    stats: TransferStats
+    counters: RankCounters
+    write_failures: WriteFailureHandOff
+    _rejected: BoundedRooms  # room -> why this rank failed it
+    _abort_notices: AbortNotices
+    _aborted_unregistered: BoundedRooms  # room -> (cause, session ids told)
+    _registration_lock: threading.Lock
 
     def fail_unsent_room(self, kv_mgr, room, why: str, *, record: bool = True) -> bool:
         """The prefill ends ``room`` before its last chunk went out (an abort): tell decode now

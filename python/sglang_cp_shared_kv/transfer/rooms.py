@@ -10,7 +10,8 @@ of the shard transfer that deal with failures rather than pages.
   (:mod:`.failure_cause`) on its way to decode's status endpoint;
 * :func:`prefill_unique_rank` -- the sender id decode counts responses by.
 
-:class:`.prefill.PrefillShardTransfer` holds one of each per CP rank and decides when.
+:class:`.prefill.PrefillShardTransfer` holds one of each per CP rank; its chunk admission,
+writes and failure notices decide when.
 """
 
 from __future__ import annotations
