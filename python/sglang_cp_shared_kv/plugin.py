@@ -3,8 +3,8 @@
 ``register`` only registers hooks: the table of the installed SGLang release
 (:func:`hooks_for`, :data:`.releases.installed.INSTALLED`), one per release
 (:func:`_hooks_v0512`, :func:`_hooks_v0523`: the flag validated in the release's terms, the
-pool and capacity, the forward path under its CP strategy, the decode server and the PD
-transfer), each in one block per concern package; on a release the plugin does not serve,
+pool and capacity, the forward path under its CP strategy, HiCache's host tier where served,
+the decode server and the PD transfer), each in one block per concern package; on a release the plugin does not serve,
 :data:`UNSUPPORTED_BASE_HOOKS`, a flag that refuses to start and says why. These tables name
 every SGLang target the plugin hooks (the SGLang symbols it imports are the other table,
 :mod:`sglang_cp_shared_kv.sglang_api`). Each hook lives in the module of its concern and
@@ -39,6 +39,9 @@ _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+_HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"  # 0.5.12.post1
+_HYBRID_CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
+_HOST_POOL_GROUP = "sglang.srt.mem_cache.memory_pool_host.HostPoolGroup"
 _KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"  # 0.5.23
 _DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"  # 0.5.23
 _DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"  # 0.5.23
@@ -87,6 +90,7 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
     from sglang_cp_shared_kv.decode import server as decode_server
     from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit, metrics
     from sglang_cp_shared_kv.forward import hooks as forward
+    from sglang_cp_shared_kv.hicache import hooks_v0512 as hicache
     from sglang_cp_shared_kv.transfer import hooks as transfer
 
     return (
@@ -116,6 +120,18 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
         HookSpec("sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_output",
                  forward.all_gather_in_seq_order, "around"),
         _forward_agreement_hook(),
+        # --- HiCache: each rank's host pool holds, backs up and loads back its own pages
+        HookSpec(f"{_HOST_POOLS}.build_kv_host_pool", hicache.build_owner_local_host_pool, "around"),
+        HookSpec(f"{_HOST_POOLS}.attach_hybrid_nsa_pool_to_hiradix_cache", hicache.expose_logical_host_capacity,
+                 "after"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.write", hicache.backup_in_owner_lanes, "around"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.load", hicache.load_back_in_host_lanes, "around"),
+        HookSpec("sglang.srt.managers.cache_controller.HiCacheController.move_indices", hicache.move_own_rows,
+                 "around"),
+        HookSpec(f"{_HOST_POOL_GROUP}.backup_from_device_all_layer", hicache.backup_own_rows, "around"),
+        HookSpec(f"{_HOST_POOL_GROUP}.load_to_device_per_layer", hicache.load_own_rows, "around"),
+        HookSpec("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.loading_check", hicache.agree_on_loads_done,
+                 "around"),
         # --- PD transfer of each rank's shard
         *_transfer_hooks_on_both_releases(),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.__init__", transfer.prepare_prefill_transfer, "after"),

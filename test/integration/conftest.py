@@ -1,5 +1,6 @@
 """Fixtures for tests that drive the real SGLang 0.5.12.post1 classes on a CPU machine."""
 
+import contextlib
 import json
 
 import pytest
@@ -31,8 +32,16 @@ def plugin_loaded():
     from sglang.srt.plugins import load_plugins
 
     from sglang_cp_shared_kv.hook_check import registered_hooks
+    from sglang_cp_shared_kv.releases import installed
 
-    load_plugins()
+    on_cpu = contextlib.nullcontext()
+    if installed.INSTALLED.serves_hicache:
+        from sglang_cp_shared_kv_testing.hicache_rig_v0512 import hicache_on_cpu
+
+        # the HiCache hooks' targets import memory_pool_host, which imports sgl_kernel.kvcacheio (CUDA)
+        on_cpu = hicache_on_cpu()
+    with on_cpu:
+        load_plugins()
     hooks = registered_hooks()
     assert hooks, "the cp_shared_kv entry point did not register hooks (is the package installed?)"
     return hooks

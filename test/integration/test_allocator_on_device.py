@@ -89,3 +89,20 @@ def test_a_pool_out_of_pages_is_sglangs_out_of_memory_not_a_lane_fallback(caplog
     assert (stats.compute_owner_chunks, stats.lane_fallbacks) == (0, 0)
     assert "too few free pages" not in caplog.text
     assert allocator.free_pages.numel() == 4  # nothing taken
+
+
+def test_a_load_back_takes_pages_of_its_host_lanes_or_none():
+    """HiCache's load-back (``pages_in_lanes``): page i goes to rank ``lanes[i]``; a lane short
+    of pages gives None (SGLang then evicts) and leaves the free list as it was."""
+    allocator = _allocator(3, 4)
+    lanes = torch.tensor([2, 0, 0, 1])
+    with allocator.pages_in_lanes(lanes):
+        out = allocator.alloc(4 * 64)
+    pages = out[::64] // 64
+    assert torch.equal(allocator.cp_layout.owner_for_logical_pages(pages), lanes)
+    assert torch.equal(out, (pages[:, None] * 64 + torch.arange(64)).reshape(-1))
+    before = allocator.free_pages.clone()
+    with allocator.pages_in_lanes(torch.tensor([1, 1, 1, 1])):  # rank 1's lane has 3 free pages left
+        assert allocator.alloc(4 * 64) is None
+    assert torch.equal(allocator.free_pages, before)
+    assert allocator.alloc(64) is not None  # outside the block: SGLang's own order again

@@ -27,8 +27,8 @@ REFUSALS = {
                                "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1 on this server and on the decode"),
     "staging_buffer": ({}, {}, {"SGLANG_DISAGG_STAGING_BUFFER": "1"}, "SGLANG_DISAGG_STAGING_BUFFER=1",
                        "unset SGLANG_DISAGG_STAGING_BUFFER"),
-    "hicache": ({"enable_hierarchical_cache": True}, {}, {}, "--enable-hierarchical-cache",
-                "Remove --enable-hierarchical-cache"),
+    "hicache_storage": ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}, {}, {},
+                        "--hicache-storage-backend file", "remove --hicache-storage-backend"),
     "hisparse": ({"enable_hisparse": True, "disable_radix_cache": True}, {}, {}, "--enable-hisparse", "Remove --enable-hisparse"),
     "speculative_nextn": ({"speculative_algorithm": "NEXTN"}, {}, {}, "--speculative-algorithm",
                           "Remove the speculative-decoding options"),
@@ -118,9 +118,18 @@ def test_one_change_gives_one_problem(case, tiny_nsa_model, monkeypatch):
 
 
 def test_all_problems_are_reported_together(tiny_nsa_model, monkeypatch):
-    server_args = _build(tiny_nsa_model, {"disaggregation_mode": "null", "enable_hierarchical_cache": True}, {},
+    server_args = _build(tiny_nsa_model, {"disaggregation_mode": "null", "enable_hierarchical_cache": True,
+                                          "hicache_storage_backend": "file"}, {},
                          {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": None}, monkeypatch)
     assert len(configuration_problems(server_args)) == 3
+
+
+def test_hicache_host_memory_is_served(tiny_nsa_model, monkeypatch):
+    """HiCache with host memory only (L2): each rank's host pool holds its own pages."""
+    for layout in ("layer_first", "page_first_direct"):
+        server_args = _build(tiny_nsa_model, {"enable_hierarchical_cache": True, "hicache_mem_layout": layout}, {}, {},
+                             monkeypatch)
+        assert configuration_problems(server_args) == []
 
 
 def test_valid_configuration_passes(tiny_nsa_model, monkeypatch):

@@ -31,6 +31,7 @@ The constructor signature stays SGLang's because ``_init_pools`` calls it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 from sglang_cp_shared_kv.cp_shared_kv_layout import owner_counts
 from sglang_cp_shared_kv.pool.page_split import page_aligned_split
+from sglang_cp_shared_kv.scoped import attributes_set
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
         #: compute-owner decisions made on the device, not yet read: (found, event, pages, free)
         self._undecided: Deque[tuple] = collections.deque()
         self._check_allocations = debug_enabled()
+        #: set only inside pages_in_lanes' block (one load-back's allocation)
+        self._pending_lanes: Optional[torch.Tensor] = None
         super().__init__(size, page_size, dtype, device, kvcache, need_sort)
 
     @property
@@ -203,7 +207,39 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
         return out_locs
 
     def alloc(self, need_size: int):
+        if self._pending_lanes is not None:
+            return self._checked(self._alloc_in_lanes(need_size, self._pending_lanes))
         return self._checked(super().alloc(need_size))
+
+    @contextlib.contextmanager
+    def pages_in_lanes(self, lanes: torch.Tensor):
+        """Within the block, ``alloc`` gives page i to rank ``lanes[i]`` or returns None (a HiCache
+        load-back: the host copy of a page is on one rank, its device page must be that rank's)."""
+        with attributes_set(self, _pending_lanes=lanes):
+            yield
+
+    def _alloc_in_lanes(self, need_size: int, lanes: torch.Tensor):
+        if need_size != lanes.numel() * self.page_size:
+            raise ValueError(f"{FLAG}: {lanes.numel()} lanes given for {need_size} tokens of pages of {self.page_size}")
+        if self.need_sort and len(self.release_pages):
+            self.merge_and_sort_free()
+        if self.free_pages.numel() < lanes.numel():
+            return None
+        order, found = compute_owner_order_on_device(self.free_pages, lanes.tolist(), self.cp_layout.cp_size,
+                                                     self.size // self.page_size + 1)
+        # NOTE: a host read (the only one of a load-back): with a lane short of pages there is no
+        # fallback -- the page's bytes are on its host lane's rank -- so SGLang must hear None and
+        # evict (or recompute) now; the decision is the same on every rank
+        if not bool(found):
+            return None
+        self.free_pages = order
+        out = super().alloc(need_size)
+        if self._check_allocations and out is not None:
+            owners = self.cp_layout.owner_for_logical_pages(out[:: self.page_size] // self.page_size).cpu()
+            if not torch.equal(owners, lanes.to(owners.dtype).cpu()):
+                raise AssertionError(f"{FLAG}: load-back pages have owners {owners.tolist()}, "
+                                     f"their host lanes are {lanes.tolist()}")
+        return out
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
                      num_new_pages=None):

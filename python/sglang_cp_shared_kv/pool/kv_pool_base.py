@@ -16,6 +16,8 @@ SGLang's own DSA/NSA pool (``pool.CpSharedNSATokenToKVPool`` on 0.5.12.post1,
   local-writes decision) is not the pool's: it is ``in_flight`` (``forward.in_flight``),
   one object set at the batch's start and dropped at its end; the pool reads its two
   views and imports nothing from ``forward/``;
+* the shard of a layer is read after HiCache's load-back of that layer, as SGLang's getters
+  wait for it (:meth:`physical_kv_buffer`);
 * paths that address rows by location (host offload, non-MLA writes) refuse.
 
 What differs per release -- the constructor's arguments, the MLA store's signature and
@@ -82,10 +84,19 @@ class CpSharedPoolMixin:
         return self.context.layout
 
     def physical_kv_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_load_back(layer_id)
         return self.kv_buffer[layer_id - self.start_layer]
 
     def physical_index_buffer(self, layer_id: int) -> torch.Tensor:
+        self._wait_for_load_back(layer_id)
         return self.index_k_with_scale_buffer[layer_id - self.start_layer]
+
+    def _wait_for_load_back(self, layer_id: int) -> None:
+        """The current stream waits for HiCache's load-back of ``layer_id`` into this rank's
+        buffers, as SGLang's own getters do (a no-op without a load-back in flight)."""
+        counter = getattr(self, "layer_transfer_counter", None)
+        if counter is not None:
+            counter.wait_until(layer_id - self.start_layer)
 
     def mla_view(self, layer_id: int) -> torch.Tensor:
         """The dense MLA view of ``layer_id`` the forward in flight materialized."""

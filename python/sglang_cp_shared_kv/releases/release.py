@@ -71,6 +71,9 @@ class Release:
     #: where decode says it runs HiSparse: a flag of its registration ("registration", once
     #: per decode) or device pages of each room ("room")
     hisparse_signal: str
+    #: whether the flag serves SGLang's HiCache (``--enable-hierarchical-cache``) on this release,
+    #: each rank's host pool holding its own pages (``sglang_cp_shared_kv.hicache``)
+    serves_hicache: bool = False
 
     def __post_init__(self) -> None:
         numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", self.version)

@@ -28,6 +28,8 @@ SYMBOLS: SymbolTable = {
     # --- PD transfer (Mooncake)
     "INDEX_STATE_TYPE": ("sglang.srt.disaggregation.base.conn", "StateType.NSA"),  # the index pages' state
     "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
+    # --- HiCache (subclassed: the host pool of one rank's pages)
+    "MLATokenToKVPoolHost": ("sglang.srt.mem_cache.memory_pool_host", "MLATokenToKVPoolHost"),
 }
 
 RELEASE = Release(
@@ -54,4 +56,5 @@ RELEASE = Release(
     attention_backend_module="sglang.srt.layers.attention.nsa_backend",
     bootstrap_target="test",
     hisparse_signal="registration",
+    serves_hicache=True,
 )

@@ -278,15 +278,42 @@ def cp_size_problem(server_args, refuse) -> None:
            f"use --tp-size {choose} (the attention CP size, --tp-size / --dp-size, must be one of them too).")
 
 
+#: the HiCache host layouts and copy backends the sharded host tier serves (each copies rows
+#: or pages by index, which the tier narrows to the rank's own and maps to physical ones)
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+HICACHE_IO_BACKENDS = ("kernel", "direct")
+
+
+def hicache_problems(server_args, refuse) -> None:
+    """What the sharded HiCache (:mod:`sglang_cp_shared_kv.hicache`) does not serve: another
+    release's HiCache, a storage tier (L3), another host layout or copy backend."""
+    release = installed.INSTALLED
+    if release is None or not release.serves_hicache:
+        serving = " or ".join(f"sglang=={r.version}" for r in installed.SUPPORTED if r.serves_hicache)
+        version = release.version if release is not None else "this SGLang"
+        refuse("--enable-hierarchical-cache",
+               f"the sharded HiCache host tier is not built for SGLang {version}'s HiCache yet; remove "
+               f"--enable-hierarchical-cache, or serve with {serving}.")
+        return
+    if server_args.hicache_storage_backend:
+        refuse(f"--hicache-storage-backend {server_args.hicache_storage_backend}",
+               "a HiCache storage tier (L3) is not sharded yet: each rank would store and fetch pages it does "
+               "not hold; remove --hicache-storage-backend (host memory, L2, is served).")
+    if server_args.hicache_mem_layout not in HICACHE_MEM_LAYOUTS:
+        refuse(f"--hicache-mem-layout {server_args.hicache_mem_layout}",
+               f"the sharded host tier serves the layouts {', '.join(HICACHE_MEM_LAYOUTS)}; choose one of them.")
+    if server_args.hicache_io_backend not in HICACHE_IO_BACKENDS:
+        refuse(f"--hicache-io-backend {server_args.hicache_io_backend}",
+               f"the sharded host tier serves the copy backends {', '.join(HICACHE_IO_BACKENDS)}; choose one of them.")
+
+
 def prefill_feature_problems(server_args, refuse) -> None:
     """The features a shared-KV prefill refuses whatever the SGLang release (each names its
     fix; the option names are the same in 0.5.12.post1 and 0.5.23)."""
     if _env_flag(_STAGING_ENV):
         refuse(f"{_STAGING_ENV}=1", f"the PD staging buffer is not supported with shared KV; unset {_STAGING_ENV}.")
     if server_args.enable_hierarchical_cache:
-        refuse("--enable-hierarchical-cache",
-               "HiCache sizes its host pool from the device pool and copies logical locations; "
-               "not supported with shared KV yet. Remove --enable-hierarchical-cache.")
+        hicache_problems(server_args, refuse)
     if server_args.enable_hisparse:
         refuse("--enable-hisparse", "HiSparse has its own pool layout; not supported with shared KV yet. "
                "Remove --enable-hisparse.")

@@ -1,0 +1,18 @@
+"""Sharded HiCache: each CP rank backs up to host memory, and loads back, only its own pages.
+
+SGLang's HiCache keeps evicted KV in host memory (L2). Under the flag every rank's host
+pool is sized like stock's per rank and holds only the pages that rank owns, so the group's
+logical host capacity is N times one rank's:
+
+* :mod:`.host_lanes`: the rule (logical host page -> owner rank, physical host page; the
+  device layout's rule, shifted by the one page the host tier does not reserve) and the
+  rank-identical allocator of logical host pages, lane by lane;
+* :mod:`.host_pool_v0512`: SGLang 0.5.12.post1's MLA host pool sized per rank, exposing the
+  logical capacity, allocating through the lanes;
+* :mod:`.hooks_v0512`: the hooks (a host page in its device page's lane at backup, a device
+  page in its host page's lane at load-back, each copy narrowed to this rank's rows in
+  physical terms, load-back completion agreed by the group).
+
+The radix tree, ``node.value`` and ``node.host_value`` stay logical and identical on every
+rank; no byte crosses ranks. This package's ``__init__`` imports nothing.
+"""

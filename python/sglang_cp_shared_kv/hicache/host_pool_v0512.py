@@ -1,0 +1,126 @@
+"""SGLang 0.5.12.post1's MLA host pool under the flag: one rank's pages, the group's capacity.
+
+SGLang sizes a host pool from its device pool (``--hicache-ratio`` times the device pool's
+``size``, or ``--hicache-size`` GB) and asserts the host holds more than the device. The
+shared-KV device pool's ``size`` is logical (N times its buffers), so the pool is built while
+the device pool shows its physical size: the host buffer holds ratio x one rank's tokens,
+the bytes stock gives each rank. Once SGLang has built the index-K sidecar (which copies
+the KV host pool's size and page count at construction), :meth:`expose_logical_capacity`
+turns ``size`` and allocation logical: N times the buffer, allocated through
+:class:`~.host_lanes.HostPageLanes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+
+from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
+from sglang_cp_shared_kv.scoped import attributes_set
+from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
+
+logger = logging.getLogger(__name__)
+
+
+class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
+    """SGLang's MLA host pool over one rank's host buffer, allocating logical host pages by lane."""
+
+    def __init__(self, device_pool, *args, **kwargs):
+        layout = device_pool.cp_layout
+        self.rule = HostPageRule(layout)
+        self.lanes: Optional[HostPageLanes] = None  # physical until expose_logical_capacity
+        self._pending_lanes: Optional[torch.Tensor] = None
+        self._check = debug_enabled()
+        with attributes_set(device_pool, size=device_pool.physical_size):
+            super().__init__(device_pool, *args, **kwargs)
+        self.physical_size = self.size
+        self.physical_page_num = self.page_num
+        #: pages this rank copied: backed up from its device pool, loaded back into it
+        self.pages_backed_up = 0
+        self.pages_loaded_back = 0
+
+    @property
+    def cp_layout(self):
+        return self.rule.layout
+
+    def expose_logical_capacity(self) -> None:
+        """From now on ``size`` and allocation are logical (module docstring)."""
+        self.lanes = HostPageLanes(self.rule, self.physical_page_num)
+        self.size = self.lanes.logical_pages * self.page_size
+        logger.info("CP shared KV HiCache: host pool of %d tokens on this rank (%d pages, %.2f GB), %d logical "
+                    "tokens over the CP group of %d (each rank backs up and loads back its own pages)",
+                    self.physical_size, self.physical_page_num, self.physical_size * self.size_per_token / 1e9,
+                    self.size, self.rule.cp_size)
+        # NOTE: proven on CPU (SGLang's HiRadixCache on gloo CP groups), not yet in a GPU server,
+        # where the load-back overlaps the forward layer by layer: say so, as 0.5.23's path does
+        logger.warning("CP shared KV HiCache: the sharded host tier has not run in a GPU server yet (CPU-verified: "
+                       "bytes loaded back equal stock HiCache's); docs/user-guide.md")
+
+    # ------------------------------------------------------------ allocation
+    @contextlib.contextmanager
+    def pages_in_lanes(self, lanes: torch.Tensor):
+        """Within the block, the next allocation takes one host page of ``lanes[i]`` per page i."""
+        with attributes_set(self, _pending_lanes=lanes):
+            yield
+
+    def clear(self):
+        super().clear()
+        if self.lanes is not None:
+            self.lanes.clear()
+
+    def available_size(self):
+        if self.lanes is None:
+            return super().available_size()
+        return self.lanes.available_pages() * self.page_size
+
+    def alloc(self, need_size: int) -> Optional[torch.Tensor]:
+        if self.lanes is None:
+            return super().alloc(need_size)
+        if need_size % self.page_size:
+            raise ValueError(f"{FLAG}: host allocation of {need_size} tokens is not whole pages of {self.page_size}")
+        with self.lock:
+            pages = need_size // self.page_size
+            lanes = self._pending_lanes if self._pending_lanes is not None else self.lanes.cyclic_lanes(pages)
+            if lanes.numel() != pages:
+                raise ValueError(f"{FLAG}: {lanes.numel()} host lanes given for a {pages}-page allocation")
+            got = self.lanes.alloc(lanes)
+        if got is None:
+            return None
+        return (got[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+    def free(self, indices: torch.Tensor) -> int:
+        if self.lanes is None:
+            return super().free(indices)
+        pages = torch.unique(indices.cpu() // self.page_size)
+        with self.lock:
+            if self._check:
+                twice = self.lanes.free_page_set() & set(pages.tolist())
+                if twice:
+                    raise AssertionError(f"{FLAG}: host pages {sorted(twice)[:8]} freed while free")
+            self.lanes.free(pages)
+        return len(indices)
+
+    # ------------------------------------------------------------ this rank's rows
+    def own_rows(self, host_indices: torch.Tensor, device_indices: torch.Tensor):
+        """Of one copy's (logical host, logical device) token locations, the rows this rank
+        holds, as (physical host rows, physical device rows). Decided from the host
+        locations (CPU): a host page's lane is its device page's owner (allocation keeps
+        them equal), so no device read."""
+        host_indices = host_indices.cpu()
+        layout = self.rule.layout
+        mine = self.rule.lanes(host_indices // self.page_size) == layout.cp_rank
+        positions = mine.nonzero().squeeze(1)
+        host_rows = self.rule.physical_rows(host_indices.index_select(0, positions))
+        if device_indices.is_cuda:  # NOTE: a pageable host-to-device copy would wait for the stream
+            positions = positions.pin_memory().to(device_indices.device, non_blocking=True)
+        picked = device_indices.index_select(0, positions.to(device_indices.device))
+        if self._check:
+            owners = layout.owner_for_logical_pages(picked // self.page_size)
+            if bool((owners != layout.cp_rank).any()):
+                raise AssertionError(f"{FLAG}: a host page of rank {layout.cp_rank}'s lane is backed by device "
+                                     f"pages of ranks {sorted(set(owners.tolist()))}")
+        return host_rows, layout.logical_locs_to_physical(picked, validate=False)
