@@ -110,17 +110,25 @@ def transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indi
     device rows from ``src_indices[i * page_size]`` into host page
     ``dst_indices[i * page_size] // page_size``, in every layer."""
     src, dst = _checked_indices(src_indices, dst_indices, page_size)
-    src_starts = _page_runs(src, page_size, "source (device) indices")
-    dst_pages = [d // page_size for d in _page_runs(dst, page_size, "destination (host) indices")]
-    parts = len(dst_ptrs)
-    if parts not in (1, 2) or len(src_ptrs) % parts:
-        raise ValueError(f"{len(src_ptrs)} source layers cannot be split over {parts} destination buffers")
-    layers = len(src_ptrs) // parts
-    for part, host in enumerate(dst_ptrs):
+    device_rows = _page_runs(src, page_size, "source (device) indices")
+    host_pages = [d // page_size for d in _page_runs(dst, page_size, "destination (host) indices")]
+    _copy_pages(dst_ptrs, src_ptrs, device_rows, host_pages, page_size, to_host=True)
+
+
+def _copy_pages(host_parts, device_layers, device_rows, host_pages, page_size, *, to_host, layer_id=0):
+    """Page i between ``device_rows[i]`` (its first row, in each layer of ``device_layers``) and
+    ``host_pages[i]`` of each page-first host buffer of ``host_parts`` (1: MLA; 2: K then V; layer
+    ``layer_id + l`` there for device layer ``l``), in the direction ``to_host`` says."""
+    parts = len(host_parts)
+    if parts not in (1, 2) or len(device_layers) % parts:
+        raise ValueError(f"{len(device_layers)} device layers cannot be split over {parts} host buffers")
+    layers = len(device_layers) // parts
+    for part, host in enumerate(host_parts):
         for layer in range(layers):
-            device_layer = src_ptrs[part * layers + layer]
-            for start, page in zip(src_starts, dst_pages):
-                host[page, layer].copy_(device_layer[start:start + page_size])
+            device_layer = device_layers[part * layers + layer]
+            for start, page in zip(device_rows, host_pages):
+                rows, host_page = device_layer[start:start + page_size], host[page, layer_id + layer]
+                (host_page.copy_(rows) if to_host else rows.copy_(host_page))
 
 
 def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
@@ -130,17 +138,9 @@ def transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indi
     copies host page ``src_indices[i * page_size] // page_size`` of layer ``layer_id`` to
     the ``page_size`` device rows from ``dst_indices[i * page_size]``."""
     src, dst = _checked_indices(src_indices, dst_indices, page_size)
-    src_pages = [s // page_size for s in _page_runs(src, page_size, "source (host) indices")]
-    dst_starts = _page_runs(dst, page_size, "destination (device) indices")
-    parts = len(src_ptrs)
-    if parts not in (1, 2) or len(dst_ptrs) % parts:
-        raise ValueError(f"{len(dst_ptrs)} destination layers cannot be split over {parts} source buffers")
-    layers = len(dst_ptrs) // parts
-    for part, host in enumerate(src_ptrs):
-        for layer in range(layers):
-            device_layer = dst_ptrs[part * layers + layer]
-            for page, start in zip(src_pages, dst_starts):
-                device_layer[start:start + page_size].copy_(host[page, layer_id + layer])
+    host_pages = [s // page_size for s in _page_runs(src, page_size, "source (host) indices")]
+    device_rows = _page_runs(dst, page_size, "destination (device) indices")
+    _copy_pages(src_ptrs, dst_ptrs, device_rows, host_pages, page_size, to_host=False, layer_id=layer_id)
 
 
 def _cuda_kernel(name: str) -> Callable:
