@@ -30,7 +30,8 @@ from sglang_cp_shared_kv.observability.nvtx import marked
 
 def begin_forward(pool, backend, forward_batch, *, one_request: bool = False) -> Optional[CpSharedBatchState]:
     """The batch state of ``forward_batch`` on ``pool`` (None: an idle batch), in the
-    forward's :class:`.in_flight.ForwardInFlight` set on the pool, with ``backend.forward_metadata`` translated to the dense scratch (``one_request``:
+    forward's :class:`.in_flight.ForwardInFlight` set on the pool, with
+    ``backend.forward_metadata`` translated to the dense scratch (``one_request``:
     the release's CP split takes one request per batch, a batch of more is refused). The
     forward must then reach its agreement point (:mod:`.agreement`); in debug mode the
     batch-state checks and the gather plan are agreed here, before the first collective."""

@@ -26,12 +26,9 @@ from typing import Optional
 import torch
 
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 
 logger = logging.getLogger(__name__)
-
-
-def _shared_device_pool(pool) -> bool:
-    return getattr(pool, "cp_layout", None) is not None and hasattr(pool, "physical_size")
 
 
 def _owner_local_host(host_pool) -> Optional[object]:
@@ -42,7 +39,7 @@ def _owner_local_host(host_pool) -> Optional[object]:
 
 
 def build_owner_local_host_pool(original, *, kv_pool, page_size, server_args, use_mla, override_kv_cache_dim=None):
-    if not _shared_device_pool(kv_pool):
+    if not isinstance(kv_pool, CpSharedPoolMixin):
         return original(kv_pool=kv_pool, page_size=page_size, server_args=server_args, use_mla=use_mla,
                         override_kv_cache_dim=override_kv_cache_dim)
     from sglang_cp_shared_kv.hicache.host_pool_v0512 import CpSharedMLATokenToKVPoolHost

@@ -112,15 +112,17 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
         them equal), so no device read."""
         host_indices = host_indices.cpu()
         layout = self.rule.layout
-        mine = self.rule.lanes(host_indices // self.page_size) == layout.cp_rank
-        positions = mine.nonzero().squeeze(1)
+        lanes = self.rule.lanes(host_indices // self.page_size)
+        if self._check:
+            # NOTE: every page of the copy, not only this rank's: the same on every rank, so a
+            # broken pairing fails every rank here together, none waiting in a collective
+            owners = layout.owner_for_logical_pages(device_indices // self.page_size).cpu()
+            if not torch.equal(owners, lanes):
+                raise AssertionError(f"{FLAG}: host pages of lanes {lanes[::self.page_size].tolist()} are paired with "
+                                     f"device pages of ranks {owners[::self.page_size].tolist()}")
+        positions = (lanes == layout.cp_rank).nonzero().squeeze(1)
         host_rows = self.rule.physical_rows(host_indices.index_select(0, positions))
         if device_indices.is_cuda:  # NOTE: a pageable host-to-device copy would wait for the stream
             positions = positions.pin_memory().to(device_indices.device, non_blocking=True)
-        picked = device_indices.index_select(0, positions.to(device_indices.device))
-        if self._check:
-            owners = layout.owner_for_logical_pages(picked // self.page_size)
-            if bool((owners != layout.cp_rank).any()):
-                raise AssertionError(f"{FLAG}: a host page of rank {layout.cp_rank}'s lane is backed by device "
-                                     f"pages of ranks {sorted(set(owners.tolist()))}")
+        picked = device_indices.index_select(0, positions)
         return host_rows, layout.logical_locs_to_physical(picked, validate=False)

@@ -221,24 +221,15 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
     def _alloc_in_lanes(self, need_size: int, lanes: torch.Tensor):
         if need_size != lanes.numel() * self.page_size:
             raise ValueError(f"{FLAG}: {lanes.numel()} lanes given for {need_size} tokens of pages of {self.page_size}")
-        if self.need_sort and len(self.release_pages):
-            self.merge_and_sort_free()
-        if self.free_pages.numel() < lanes.numel():
-            return None
-        order, found = compute_owner_order_on_device(self.free_pages, lanes.tolist(), self.cp_layout.cp_size,
-                                                     self.size // self.page_size + 1)
+        found = self._order_free_pages_for(lanes.tolist())
         # NOTE: a host read (the only one of a load-back): with a lane short of pages there is no
         # fallback -- the page's bytes are on its host lane's rank -- so SGLang must hear None and
         # evict (or recompute) now; the decision is the same on every rank
-        if not bool(found):
+        if found is None or not bool(found):
             return None
-        self.free_pages = order
         out = super().alloc(need_size)
         if self._check_allocations and out is not None:
-            owners = self.cp_layout.owner_for_logical_pages(out[:: self.page_size] // self.page_size).cpu()
-            if not torch.equal(owners, lanes.to(owners.dtype).cpu()):
-                raise AssertionError(f"{FLAG}: load-back pages have owners {owners.tolist()}, "
-                                     f"their host lanes are {lanes.tolist()}")
+            self._check_page_owners(out, 0, lanes.tolist(), "load-back pages", "their host lanes")
         return out
 
     def alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc, extend_num_tokens,
@@ -266,15 +257,12 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             self._stats.short_chunks += 1
             return None
         ranks = split.new_page_ranks()
-        if self.need_sort and len(self.release_pages):
-            self.merge_and_sort_free()  # every free page is a candidate for its lane
-        if self.free_pages.numel() < len(ranks):
+        found = self._order_free_pages_for(ranks)
+        if found is None:
             # NOTE: the whole pool lacks the pages (a host-side count, no read): SGLang's own
             # alloc_extend reports it out of memory; no lane is to blame, so no fallback
             return None
         # NOTE: decided on the device (no host read under the overlap schedule); counted later
-        self.free_pages, found = compute_owner_order_on_device(self.free_pages, ranks, layout.cp_size,
-                                                               self.size // self.page_size + 1)
         self._note_decision(found, len(ranks))
         if self._check_allocations:  # debug: read it now, to check the pages against it
             fallbacks = self._stats.lane_fallbacks
@@ -282,13 +270,27 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
             return None if self._stats.lane_fallbacks > fallbacks else ranks
         return ranks
 
+    def _order_free_pages_for(self, ranks: Sequence[int]) -> Optional[torch.Tensor]:
+        """Put one free page of each of ``ranks``' lanes at the front of ``free_pages``, in order
+        (every free page a candidate); the device bool saying whether every lane had them (the
+        free list unchanged where not), or None when the pool has fewer free pages than ranks."""
+        if self.need_sort and len(self.release_pages):
+            self.merge_and_sort_free()
+        if self.free_pages.numel() < len(ranks):
+            return None
+        self.free_pages, found = compute_owner_order_on_device(self.free_pages, ranks, self.cp_layout.cp_size,
+                                                               self.size // self.page_size + 1)
+        return found
+
     def _check_compute_owners(self, out_locs, prefix_len: int, ranks: Sequence[int]) -> None:
         first_new = -(-prefix_len // self.page_size) * self.page_size - prefix_len  # rows on the shared page
-        pages = out_locs[first_new:: self.page_size] // self.page_size
+        self._check_page_owners(out_locs, first_new, ranks, "compute-owner pages", "their computing ranks")
+
+    def _check_page_owners(self, out_locs, first: int, ranks: Sequence[int], what: str, whose: str) -> None:
+        pages = out_locs[first:: self.page_size] // self.page_size
         owners = self.cp_layout.owner_for_logical_pages(pages).tolist()
         if owners != list(ranks):
-            raise AssertionError(f"{FLAG}: compute-owner pages {pages.tolist()} have owners {owners}, "
-                                 f"their computing ranks are {list(ranks)}")
+            raise AssertionError(f"{FLAG}: {what} {pages.tolist()} have owners {owners}, {whose} are {list(ranks)}")
 
 
 class CpSharedInterleavedPagesAllocator(CpSharedPagedTokenToKVPoolAllocator):
