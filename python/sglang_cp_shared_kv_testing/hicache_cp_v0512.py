@@ -127,11 +127,22 @@ def _shared_pool(rank: int, n: int, dtype_name: str, physical_pages: int):
 
     dtype, dim = DTYPES[dtype_name]
     logical = physical_pages * PAGE * n
-    pool = CpSharedNSATokenToKVPool(logical, context=CpSharedKVContext(CpSharedKVLayout(PAGE, n, rank)),
+    # metrics on, as with --enable-metrics: the host pool's Prometheus counter is checked too
+    context = CpSharedKVContext(CpSharedKVLayout(PAGE, n, rank), metrics_enabled=True)
+    pool = CpSharedNSATokenToKVPool(logical, context=context,
                                     page_size=PAGE, kv_lora_rank=KV_LORA_RANK, dtype=dtype, qk_rope_head_dim=ROPE_DIM,
                                     layer_num=2, device="cpu", index_head_dim=INDEX_DIM, enable_memory_saver=False,
                                     kv_cache_dim=dim)
     return pool, CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, dtype, "cpu", pool, True)
+
+
+def _pages_metric(rank: int) -> Dict[str, float]:
+    """This process's ``sglang:cp_shared_kv_hicache_pages_total`` for ``rank``, by direction."""
+    import prometheus_client
+
+    return {direction: prometheus_client.REGISTRY.get_sample_value(
+                "sglang:cp_shared_kv_hicache_pages_total", {"cp_rank": str(rank), "direction": direction}) or 0.0
+            for direction in ("backed_up", "loaded_back")}
 
 
 def _host_rows_outside(kv_host, lane_pages: torch.Tensor) -> bool:
@@ -163,12 +174,14 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
     host_pools(cache)[0].kv_buffer.view(torch.uint8).zero_()  # (SGLang leaves host memory uninitialised)
     access = ShardedAccess(cpu_group)
     request = HiCacheRequest.seeded(pool, pages=request_pages, seed=seed)
+    metric_before = _pages_metric(rank)
     if case.lanes_ignored:
         allocator.alloc(PAGE)  # the request then starts on logical page 2, rank 1's
         with attributes_set(type(host_pools(cache)[0]), pages_in_lanes=lambda self, lanes: nullcontext()):
             trip = round_trip(cache, request, access=access)
     else:
         trip = round_trip(cache, request, access=access)
+    metric_after = _pages_metric(rank)
     kv_host, _index_host = host_pools(cache)
     layout = pool.cp_layout
     new_pages = page_starts(trip.new_locs)
@@ -186,7 +199,8 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
                  "stock_size_for_physical_pool": expected_host_size(pool.physical_size, 2.0),
                  "stock_size": host_pools(build_hicache(stock_pool, stock_allocator(stock_pool), **options))[0].size,
                  "pages_backed_up": kv_host.pages_backed_up, "pages_loaded_back": kv_host.pages_loaded_back,
-                 "own_pages": int(mine.sum())},
+                 "own_pages": int(mine.sum()),
+                 "metric_pages": {d: metric_after[d] - metric_before[d] for d in metric_after}},
         "foreign_host_rows_untouched": _host_rows_outside(kv_host, kv_host.rule.physical_pages(host_pages[mine])),
         "sync_calls": {step: dict(c) for step, c in trip.sync_calls.items()},
     }

@@ -96,7 +96,7 @@ def backup_own_rows(original, group, device_pool, host_indices, device_indices, 
     if host is not None:
         if _nothing_to_copy(host_indices, pool_transfers):
             return None
-        host.pages_backed_up += host_indices.numel() // host.page_size
+        host.count_copied_pages("backed_up", host_indices.numel() // host.page_size)
     return original(group, device_pool, host_indices, device_indices, io_backend, pool_transfers=pool_transfers)
 
 
@@ -107,7 +107,7 @@ def load_own_rows(original, group, device_pool, host_indices, device_indices, la
         if _nothing_to_copy(host_indices, pool_transfers):
             return None
         if layer_id == 0:
-            host.pages_loaded_back += host_indices.numel() // host.page_size
+            host.count_copied_pages("loaded_back", host_indices.numel() // host.page_size)
     return original(group, device_pool, host_indices, device_indices, layer_id, io_backend,
                     pool_transfers=pool_transfers)
 

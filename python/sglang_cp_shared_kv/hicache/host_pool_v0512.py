@@ -8,6 +8,10 @@ the bytes stock gives each rank. Once SGLang has built the index-K sidecar (whic
 the KV host pool's size and page count at construction), :meth:`expose_logical_capacity`
 turns ``size`` and allocation logical: N times the buffer, allocated through
 :class:`~.host_lanes.HostPageLanes`.
+
+Pages this rank copies are counted on the pool (``pages_backed_up``, ``pages_loaded_back``)
+and, with ``--enable-metrics``, in ``sglang:cp_shared_kv_hicache_pages_total{cp_rank,direction}``
+(direction ``backed_up`` or ``loaded_back``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 
@@ -42,6 +47,18 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
         #: pages this rank copied: backed up from its device pool, loaded back into it
         self.pages_backed_up = 0
         self.pages_loaded_back = 0
+        self._metrics_enabled = bool(getattr(device_pool.context, "metrics_enabled", False))
+
+    def count_copied_pages(self, direction: str, pages: int) -> None:
+        """``pages`` of this rank's pages more ``direction`` ("backed_up" or "loaded_back")."""
+        if direction == "backed_up":
+            self.pages_backed_up += pages
+        elif direction == "loaded_back":
+            self.pages_loaded_back += pages
+        else:
+            raise ValueError(f"count_copied_pages: direction must be backed_up or loaded_back, got {direction!r}")
+        if self._metrics_enabled:
+            hicache_pages_counter().labels(cp_rank=str(self.rule.layout.cp_rank), direction=direction).inc(pages)
 
     @property
     def cp_layout(self):
@@ -126,3 +143,11 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
             positions = positions.pin_memory().to(device_indices.device, non_blocking=True)
         picked = device_indices.index_select(0, positions)
         return host_rows, layout.logical_locs_to_physical(picked, validate=False)
+
+
+def hicache_pages_counter():
+    return prometheus_metric(
+        "counter", "sglang:cp_shared_kv_hicache_pages_total",
+        "Pages a CP rank copied between its device pool and its host pool under shared KV "
+        "(each rank only its own pages): backed_up to host memory, loaded_back from it.",
+        ("cp_rank", "direction"))
