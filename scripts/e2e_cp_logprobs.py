@@ -155,7 +155,8 @@ def prompts(cp_size: int):
     }
 
 
-def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path):
+def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path, extra_args=(), extra_env=None):
+    """Start run ``name``'s server (``extra_args`` / ``extra_env`` on top: other scripts' runs)."""
     fraction = shared_gpu.MEM_FRACTION_STATIC if args.share_gpu else 0.5
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
            "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.tp), "--page-size", "64",
@@ -185,6 +186,8 @@ def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path):
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
     if corrupt_rank is not None:
         env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
+    cmd += list(extra_args)
+    env.update(extra_env or {})
     return start_server(name, cmd, env, port, log_path, args.boot_timeout)
 
 

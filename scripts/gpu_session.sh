@@ -15,6 +15,8 @@
 #   another, each report named after its arguments); TTFT="--runs 5 ..." runs
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
 #   TP1 noise floor on one; JSON and logs to $out);
+#   HICACHE="--tp 2 --share-gpu --parallel 4" runs scripts/e2e_hicache_logprobs.py (HiCache's host tier
+#   under the flag vs a device hit; several sets separated by ';', each report named after them);
 #   CP_SIZES="3,5,6,7" runs scripts/repro_cp_sizes.py (stock in-seq split at those CP sizes, one GPU; CP_SIZES_ARGS adds options);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
@@ -121,6 +123,18 @@ if [ -n "${E2E:-}" ]; then
     python3 scripts/e2e_cp_logprobs.py "${runs[@]}" $set --workdir "$HOME/e2e-work" \
       --logdir "$out/e2e-logs" --out "$out/$name.json" > "$out/$name.txt" 2>&1 || status=1
     mkdir -p "$out/e2e-runs" && cp "$HOME"/e2e-work/*.json "$out/e2e-runs/" 2>/dev/null
+    grep -E '"pass"|FAILED' "$out/$name.txt" | tail -3
+    checkpoint
+  done
+fi
+if [ -n "${HICACHE:-}" ]; then
+  IFS=';' read -ra sets <<< "$HICACHE"
+  for set in "${sets[@]}"; do
+    name=e2e_hicache_$(slug "$set")
+    python3 scripts/e2e_hicache_logprobs.py $set --workdir "$HOME/e2e-hicache-work" --logdir "$out/e2e-hicache-logs" \
+      --out "$out/$name.json" > "$out/$name.txt" 2>&1 || status=1
+    # the runs' records (the report can be made again from them here: --runs "")
+    mkdir -p "$out/e2e-hicache-runs" && cp "$HOME"/e2e-hicache-work/*.json "$out/e2e-hicache-runs/" 2>/dev/null
     grep -E '"pass"|FAILED' "$out/$name.txt" | tail -3
     checkpoint
   done

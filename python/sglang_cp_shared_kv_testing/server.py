@@ -143,12 +143,15 @@ def startup_figures(log_text: str) -> Dict:
             "shared": sorted({(int(a), int(b)) for a, b in shared}),
             "stable_topk_processes": log_text.count("[cpskv-e2e] deterministic NSA top-k"),
             "corrupting_processes": log_text.count(CORRUPTING_SENDS_LINE),
+            "corrupting_load_processes": log_text.count(CORRUPTING_LOADS_LINE),
             "shared_gpu_processes": log_text.count(SHARED_GPU_LINE),
             "stalled_write_processes": log_text.count(STALLED_WRITE_LINE)}
 
 
 #: what ``scripts/e2e/sitecustomize.py`` prints in each process whose sends it corrupts
 CORRUPTING_SENDS_LINE = "sends a page twice"
+#: ... in each process whose HiCache load-backs it corrupts
+CORRUPTING_LOADS_LINE = "zeroes the first page of each HiCache load-back"
 #: ... and in each process whose first Mooncake write it holds
 STALLED_WRITE_LINE = "holds its first write"
 

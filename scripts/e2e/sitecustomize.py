@@ -22,6 +22,10 @@ scheduler processes SGLang spawns. It
 * with CPSKV_E2E_STALL_WRITE_RANK=r, prefill CP rank r holds its first Mooncake write for
   CPSKV_E2E_STALL_WRITE_S seconds (default 30): a request aborted meanwhile is aborted
   mid-transfer (scripts/e2e_pd_gpu.py, run ``on_abort``).
+* with CPSKV_E2E_CORRUPT_LOAD_RANK=r, CP rank r zeroes the first page of every HiCache
+  load-back it copies into its device pool, after the copy (the flag's host pool,
+  ``hicache.host_pool_v0512``): the negative control of scripts/e2e_hicache_logprobs.py,
+  which the probe's logprobs must show;
 * with CPSKV_E2E_DUMP_PAGES=dir, writes per-page checksums of every PD request (MLA and NSA
   index rows inside the prompt, every layer) as JSON lines under dir: on each prefill rank
   when it sends the request's last chunk (the pages that rank holds), on decode when the
@@ -104,6 +108,25 @@ if os.environ.get("CPSKV_E2E") == "1":
     if os.environ.get("CPSKV_E2E_CORRUPT_SEND_RANK"):
         _PATCHES["sglang_cp_shared_kv.transfer.prefill"] = lambda m: _duplicating_sends(
             m, int(os.environ["CPSKV_E2E_CORRUPT_SEND_RANK"]))
+
+    def _corrupting_loads(module, rank):
+        host_pool = module.CpSharedMLATokenToKVPoolHost
+        load = host_pool.load_to_device_per_layer
+
+        def load_then_zero_first_page(self, device_pool, host_indices, device_indices, layer_id, io_backend):
+            load(self, device_pool, host_indices, device_indices, layer_id, io_backend)
+            # device_indices are this rank's physical rows here (move_indices narrowed them)
+            if self.rule.layout.cp_rank == rank and device_indices.numel() > 0:
+                device_pool.kv_buffer[layer_id][device_indices[:self.page_size]] = 0
+
+        host_pool.load_to_device_per_layer = load_then_zero_first_page
+        from sglang_cp_shared_kv_testing.server import CORRUPTING_LOADS_LINE
+
+        print(f"[cpskv-e2e] CP rank {rank} {CORRUPTING_LOADS_LINE} (pid {os.getpid()})", flush=True)
+
+    if os.environ.get("CPSKV_E2E_CORRUPT_LOAD_RANK"):
+        _PATCHES["sglang_cp_shared_kv.hicache.host_pool_v0512"] = lambda m: _corrupting_loads(
+            m, int(os.environ["CPSKV_E2E_CORRUPT_LOAD_RANK"]))
 
     def _stable_topk(module):
         from sglang_cp_shared_kv_testing.stable_topk import STAND_INS

@@ -361,3 +361,45 @@ def test_stall_switch_holds_only_the_named_ranks_first_write():
     from sglang_cp_shared_kv_testing.server import STALLED_WRITE_LINE
 
     assert out.stdout.count(STALLED_WRITE_LINE) == 1
+
+
+def test_hicache_runs_evict_the_prefix_to_host_and_judge_it_from_their_records():
+    """scripts/e2e_hicache_logprobs.py: every HiCache run posts more filler tokens than its
+    logical device pool holds while its host tier holds the prefix and every filler; the checks
+    read a run's record as it comes back from its JSON file (cp ranks as strings: the first
+    GPU run, 2026-12-06, judged every rank's page counts false on int keys) and fail on a
+    probe off by one bit, a host hit missing, or a rank that copied nothing."""
+    import copy
+    import json
+
+    from sglang_cp_shared_kv_testing.support import load_script
+
+    hc = load_script("e2e_hicache_logprobs")
+    for n in (2, 3, 4, 8):
+        for name, (_, hicache, _, _) in hc.RUNS.items():
+            assert hc.host_holds_the_prefix(name, n)
+            if hicache:
+                assert hc.filler_count(name, n) * hc.FILLER > hc.logical_pool(name, n)
+        probe = hc.prompts("on_hicache", n)[-1]
+        assert probe[0] == "probe" and probe[2] == hc.PREFIX and hc.PREFIX % hc.PAGE == 0
+    lp = [-1.5, -2.25, -0.125]
+
+    def run(host, pages):
+        details = {"device": hc.PREFIX - host, "host": host}
+        return json.loads(json.dumps({
+            "answers": {"prefix": {"logprobs": [-3.0]}, "probe": {"logprobs": list(lp), "cached_tokens": hc.PREFIX,
+                                                                 "cached_tokens_details": details}},
+            "hicache_pages": pages, "problems": [],
+            "startup": {"host_gb": [0.06], "shared_host_tokens": [[24640, 2 * 24640]]}}))
+
+    pages = {0: {"backed_up": 210, "loaded_back": 23}, 1: {"backed_up": 224, "loaded_back": 24}}
+    runs = {"device": run(0, {}), "off_hicache": run(hc.PREFIX, {}), "on_hicache": run(hc.PREFIX, pages)}
+    assert all(hc.hicache_checks("on_hicache", runs, 2).values())
+    off_by_a_bit = copy.deepcopy(runs)
+    off_by_a_bit["on_hicache"]["answers"]["probe"]["logprobs"][1] = -2.2500002
+    missed_host = copy.deepcopy(runs)
+    missed_host["on_hicache"]["answers"]["probe"]["cached_tokens_details"] = {"device": hc.PREFIX, "host": 0}
+    idle_rank = copy.deepcopy(runs)
+    idle_rank["on_hicache"]["hicache_pages"]["1"]["loaded_back"] = 0
+    for bad in (off_by_a_bit, missed_host, idle_rank):
+        assert not all(hc.hicache_checks("on_hicache", bad, 2).values())

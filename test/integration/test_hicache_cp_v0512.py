@@ -60,3 +60,29 @@ def test_the_control_with_lanes_ignored_comes_back_wrong(group_run):
     n, ranks = group_run
     cases = [r[CONTROL.name] for r in ranks]
     assert any(c["errors"] or not c["owners_match_lanes"] for c in cases)
+
+
+def test_the_gpu_runs_load_back_control_corrupts_only_the_named_ranks_load_backs():
+    """scripts/e2e_hicache_logprobs.py's negative control (CPSKV_E2E_CORRUPT_LOAD_RANK=1 in
+    scripts/e2e/sitecustomize.py) must reach the bytes the flag's host tier loads back: here,
+    on the same rig, the request's bytes read back over the group differ from stock's in one
+    page, the request's second (logical page 2: rank 1's first), MLA rows only, on both layers."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = ("import json\n"
+              "from sglang_cp_shared_kv_testing.hicache_cp_v0512 import CASES, run_hicache_group\n"
+              "ranks = run_hicache_group(2, cases=(CASES[0],))\n"
+              "print('ERRORS', json.dumps([r[CASES[0].name]['errors'] for r in ranks]))\n")
+    env = {**os.environ, "CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_LOAD_RANK": "1",
+           "PYTHONPATH": os.pathsep.join([str(root / "scripts" / "e2e"), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    errors = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("ERRORS"))[len("ERRORS"):])
+    # (every rank compares the group's bytes, so both see rank 1's page)
+    assert errors[0] == errors[1] == [f"mla layer {layer}: rows {list(range(64, 72))}... differ" for layer in (0, 1)], errors
+    assert out.stdout.count("zeroes the first page of each HiCache load-back") >= 2  # each rank process said so

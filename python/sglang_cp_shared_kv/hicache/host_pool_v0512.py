@@ -72,10 +72,6 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
                     "tokens over the CP group of %d (each rank backs up and loads back its own pages)",
                     self.physical_size, self.physical_page_num, self.physical_size * self.size_per_token / 1e9,
                     self.size, self.rule.cp_size)
-        # NOTE: proven on CPU (SGLang's HiRadixCache on gloo CP groups), not yet in a GPU server,
-        # where the load-back overlaps the forward layer by layer: say so, as 0.5.23's path does
-        logger.warning("CP shared KV HiCache: the sharded host tier has not run in a GPU server yet (CPU-verified: "
-                       "bytes loaded back equal stock HiCache's); docs/user-guide.md")
 
     # ------------------------------------------------------------ allocation
     @contextlib.contextmanager
