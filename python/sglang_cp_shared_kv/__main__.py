@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV memory per rank in GB (2**30 bytes), MLA + index buffers")
     plan.add_argument("--context-len", type=_positive_int,
                       help="request length for the scratch and PD figures (default: the model's max context)")
+    host = plan.add_mutually_exclusive_group()
+    host.add_argument("--hicache-ratio", type=_positive_float,
+                      help="with --enable-hierarchical-cache: host pool per rank = this x the rank's device pool")
+    host.add_argument("--hicache-size", type=_positive_float,
+                      help="with --enable-hierarchical-cache: the MLA host pool per rank in GB (10**9 bytes, SGLang's)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -150,6 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             kv_tokens_per_rank=args.kv_tokens_per_rank,
             kv_gb_per_rank=args.kv_gb_per_rank,
             context_len=context_len,
+            hicache_ratio=args.hicache_ratio,
+            hicache_size_gb=args.hicache_size,
         )
     except (ModelConfigError, ValueError) as exc:
         parser.exit(2, f"{PROG} plan: error: {exc}\n")

@@ -182,7 +182,7 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
     else:
         trip = round_trip(cache, request, access=access)
     metric_after = _pages_metric(rank)
-    kv_host, _index_host = host_pools(cache)
+    kv_host, index_host = host_pools(cache)
     layout = pool.cp_layout
     new_pages = page_starts(trip.new_locs)
     host_pages = page_starts(trip.host_indices)
@@ -200,6 +200,9 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
                  "stock_size": host_pools(build_hicache(stock_pool, stock_allocator(stock_pool), **options))[0].size,
                  "pages_backed_up": kv_host.pages_backed_up, "pages_loaded_back": kv_host.pages_loaded_back,
                  "own_pages": int(mine.sum()),
+                 # what the planner must say a rank's host memory is (pool.planner.plan_host_tier)
+                 "device_physical_size": pool.physical_size, "kv_host_bytes": kv_host.kv_buffer.nbytes,
+                 "index_host_bytes": index_host.index_k_with_scale_buffer.nbytes,
                  "metric_pages": {d: metric_after[d] - metric_before[d] for d in metric_after}},
         "foreign_host_rows_untouched": _host_rows_outside(kv_host, kv_host.rule.physical_pages(host_pages[mine])),
         "sync_calls": {step: dict(c) for step, c in trip.sync_calls.items()},

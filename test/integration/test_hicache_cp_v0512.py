@@ -5,9 +5,18 @@ bytes read back equal the stock (replicated) HiCache run's, bit for bit
 
 import pytest
 
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_INDEX_HEAD_DIM as INDEX_DIM
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_KV_LORA_RANK as KV_LORA_RANK
+from sglang_cp_shared_kv.pool.kv_geometry import NSA_QK_ROPE_HEAD_DIM as ROPE_DIM
+from sglang_cp_shared_kv.pool.kv_geometry import NsaModelShape
+from sglang_cp_shared_kv.pool.planner import plan_host_tier
 from sglang_cp_shared_kv_testing.hicache_cp_v0512 import CASES, CONTROL, run_hicache_group
 
 CASE_NAMES = [case.name for case in CASES]
+DTYPE_NAMES = {case.name: case.dtype_name for case in CASES}
+#: the rig's pools (hicache_rig_v0512: two layers of the real NSA row geometry)
+RIG_SHAPE = NsaModelShape("hicache rig", num_layers=2, kv_lora_rank=KV_LORA_RANK, qk_rope_head_dim=ROPE_DIM,
+                          index_head_dim=INDEX_DIM, index_topk=2048, max_context_len=1 << 16)
 REQUEST_PAGES = {case.name: case.request_pages for case in CASES}
 
 
@@ -52,6 +61,11 @@ def test_each_rank_copies_only_its_pages_and_the_host_capacity_is_n_times(group_
         # the bytes stock gives a rank's host pool for its (physical) device pool; N times the tokens
         assert host["physical_size"] == host["stock_size_for_physical_pool"]
         assert host["size"] == n * host["physical_size"]
+        # the capacity planner sizes a rank's host memory as SGLang just did, byte for byte
+        plan = plan_host_tier(RIG_SHAPE, n, DTYPE_NAMES[name], host["device_physical_size"], hicache_ratio=2.0)
+        assert (plan.host_tokens_per_rank, plan.logical_host_tokens) == (host["physical_size"], host["size"])
+        assert (plan.mla_host_bytes_per_rank, plan.index_host_bytes_per_rank) == (
+            host["kv_host_bytes"], host["index_host_bytes"])
 
 
 def test_the_control_with_lanes_ignored_comes_back_wrong(group_run):

@@ -168,3 +168,33 @@ def test_the_decode_pool_the_plan_names_holds_every_request_of_the_context_and_n
         assert (bound.longest_context() >= 202_752) == admits
         assert (bound.refusal(202_751) is None) == admits  # the longest prompt the context allows
     assert f"decode pool                >= {pool:,} tokens" in format_plan(plan)
+
+
+def test_host_tier_is_stocks_per_rank_and_n_times_over_the_group():
+    """HiCache under the flag: stock's host pool for the rank's physical device pool
+    (int(tokens x ratio), floored to pages, plus one page), N times over the group."""
+    plan = plan_capacity(DSV32, 8, "bf16", kv_tokens_per_rank=100_000, hicache_ratio=2)
+    host = plan.host
+    assert plan.physical_tokens_per_rank == 99_968
+    assert host.host_tokens_per_rank == (99_968 * 2 // 64 + 1) * 64 == 200_000
+    assert host.logical_host_tokens == 8 * 200_000 and host.replicated_logical_host_tokens == 200_000
+    assert host.mla_host_bytes_per_rank == 200_000 * 1152 * 61
+    assert host.index_host_bytes_per_rank == (200_000 // 64 + 1) * 64 * 132 * 61  # a page more, as SGLang's
+    assert plan.to_dict()["host"]["host_bytes_per_rank"] == host.host_bytes_per_rank
+    text = format_plan(plan)
+    assert "host_tokens_per_rank       200,000 (--hicache-ratio 2)" in text
+    assert "host_logical_tokens        1,600,000" in text
+    # --hicache-size: GB of the MLA host pool, SGLang's 10**9 bytes; fp8 rows of 656 bytes
+    by_size = plan_capacity(DSV32, 8, "fp8_e4m3", kv_tokens_per_rank=100_000, hicache_size_gb=100).host
+    assert by_size.host_tokens_per_rank == (int(100e9 // (656 * 61)) // 64 + 1) * 64
+    assert plan_capacity(DSV32, 8, "bf16", kv_tokens_per_rank=100_000).host is None
+
+
+def test_host_tier_not_larger_than_the_device_pool_is_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="not more than the rank's device pool of 99,968.*raise --hicache-ratio"):
+        plan_capacity(DSV32, 8, "bf16", kv_tokens_per_rank=100_000, hicache_ratio=0.5)
+    with pytest.raises(ValueError, match="exactly one"):
+        plan_capacity(DSV32, 8, "bf16", kv_tokens_per_rank=100_000, hicache_ratio=2, hicache_size_gb=10)
+    with pytest.raises(SystemExit):
+        main(["plan", "--model-config", "glm-5", "--cp-size", "4", "--kv-cache-dtype", "bf16",
+              "--kv-tokens-per-rank", "1000", "--hicache-ratio", "2", "--hicache-size", "1"])

@@ -1,4 +1,5 @@
-"""Capacity planner: what a CP group exposes with shared KV, per rank and per request.
+"""Capacity planner: what a CP group exposes with shared KV, per rank and per request, and
+the HiCache host tier (``--enable-hierarchical-cache``) beside it.
 
 Pure arithmetic over :mod:`kv_geometry` and :mod:`cp_shared_kv_layout`; used by
 ``python -m sglang_cp_shared_kv plan``.
@@ -44,6 +45,65 @@ class RequestPlan:
 
 
 @dataclass(frozen=True)
+class HostTierPlan:
+    """HiCache's host tier under the flag: each rank's host pool is the one stock builds for
+    the rank's physical device pool and holds only the rank's pages, so the group's host tier
+    is ``cp_size`` times one rank's (``hicache/host_lanes.py``). Replicated CP keeps the same
+    tokens in every rank's host pool: its group holds one rank's."""
+
+    #: the setting it was sized by: ``--hicache-ratio R`` or ``--hicache-size GB``
+    sized_by: str
+    host_tokens_per_rank: int
+    #: the MLA host pool (SGLang logs this one: "Allocating X GB host memory ...")
+    mla_host_bytes_per_rank: int
+    #: the NSA index K + scale host pool, sized by the MLA host pool's pages
+    index_host_bytes_per_rank: int
+    logical_host_tokens: int
+    replicated_logical_host_tokens: int
+
+    @property
+    def host_bytes_per_rank(self) -> int:
+        return self.mla_host_bytes_per_rank + self.index_host_bytes_per_rank
+
+
+def plan_host_tier(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, physical_tokens_per_rank: int, *,
+                   hicache_ratio: Optional[float] = None, hicache_size_gb: Optional[float] = None) -> HostTierPlan:
+    """The host tier of ``--hicache-ratio`` or ``--hicache-size`` (GB of the MLA host pool, in
+    SGLang's 10**9 bytes), as SGLang 0.5.12.post1 sizes a rank's host pools
+    (``HostKVCache.__init__``, ``NSAIndexerPoolHost``)."""
+    if (hicache_ratio is None) == (hicache_size_gb is None):
+        raise ValueError("give exactly one of hicache_ratio and hicache_size_gb")
+    dtype = normalize_kv_cache_dtype(kv_cache_dtype)
+    mla_token_bytes = shape.mla_row_bytes(dtype) * shape.num_layers
+    if hicache_size_gb is not None:
+        if not hicache_size_gb > 0:
+            raise ValueError(f"--hicache-size must be > 0 GB, got {hicache_size_gb}")
+        tokens, sized_by = int(hicache_size_gb * 1e9 // mla_token_bytes), f"--hicache-size {hicache_size_gb:g}"
+    else:
+        if not hicache_ratio > 0:
+            raise ValueError(f"--hicache-ratio must be > 0, got {hicache_ratio}")
+        tokens, sized_by = int(physical_tokens_per_rank * hicache_ratio), f"--hicache-ratio {hicache_ratio:g}"
+    # NOTE: SGLang adds a page to the floor (page_num = size // page + 1), whole pages either way
+    pages = tokens // PAGE_SIZE + 1
+    tokens = pages * PAGE_SIZE
+    if tokens <= physical_tokens_per_rank:
+        raise ValueError(f"{sized_by} gives a host pool of {tokens:,} tokens per rank, not more than the rank's "
+                         f"device pool of {physical_tokens_per_rank:,}: SGLang refuses that (its host pool must be "
+                         "larger than the device pool); raise --hicache-ratio above 1 or --hicache-size")
+    return HostTierPlan(
+        sized_by=sized_by,
+        host_tokens_per_rank=tokens,
+        mla_host_bytes_per_rank=tokens * mla_token_bytes,
+        # NOTE: the index host buffer has (size + page + 1) // page pages (NSAIndexerPoolHost), one
+        # more than the MLA host pool's, as the device index buffer has (kv_geometry.pool_bytes)
+        index_host_bytes_per_rank=(tokens + PAGE_SIZE + 1) // PAGE_SIZE * PAGE_SIZE * shape.index_row_bytes
+        * shape.num_layers,
+        logical_host_tokens=cp_size * tokens,
+        replicated_logical_host_tokens=tokens,
+    )
+
+
+@dataclass(frozen=True)
 class CapacityPlan:
     model: str
     num_layers: int
@@ -63,6 +123,7 @@ class CapacityPlan:
     #: non-CP decode keeps a request's whole KV on every GPU of its attention TP group.
     decode_kv_bytes_for_logical_tokens: int
     request: Optional[RequestPlan]
+    host: Optional[HostTierPlan] = None
 
     @property
     def kv_gb_per_rank(self) -> float:
@@ -71,6 +132,8 @@ class CapacityPlan:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["kv_gb_per_rank"] = round(self.kv_gb_per_rank, 4)
+        if self.host is not None:
+            out["host"]["host_bytes_per_rank"] = self.host.host_bytes_per_rank
         return out
 
 
@@ -113,8 +176,11 @@ def plan_request(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str,
 def plan_capacity(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, *,
                   kv_tokens_per_rank: Optional[int] = None,
                   kv_gb_per_rank: Optional[float] = None,
-                  context_len: Optional[int] = None) -> CapacityPlan:
-    """Plan a CP group of ``cp_size`` ranks, sized by tokens or by GiB per rank."""
+                  context_len: Optional[int] = None,
+                  hicache_ratio: Optional[float] = None,
+                  hicache_size_gb: Optional[float] = None) -> CapacityPlan:
+    """Plan a CP group of ``cp_size`` ranks, sized by tokens or by GiB per rank; with
+    ``hicache_ratio`` or ``hicache_size_gb``, its HiCache host tier too."""
     if (kv_tokens_per_rank is None) == (kv_gb_per_rank is None):
         raise ValueError("give exactly one of kv_tokens_per_rank and kv_gb_per_rank")
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
@@ -153,6 +219,8 @@ def plan_capacity(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, *,
         decode_kv_bytes_for_logical_tokens=decode_mla + decode_index,
         request=None if context_len is None else plan_request(
             shape, cp_size, dtype, logical, physical, context_len),
+        host=None if hicache_ratio is None and hicache_size_gb is None else plan_host_tier(
+            shape, cp_size, dtype, physical, hicache_ratio=hicache_ratio, hicache_size_gb=hicache_size_gb),
     )
 
 
@@ -178,6 +246,16 @@ def format_plan(plan: CapacityPlan) -> str:
         f"{plan.logical_tokens:,} tokens (the longest this group admits unless --context-length is lower; "
         f"a non-CP decode holds a whole request per GPU)",
     ]
+    host = plan.host
+    if host is not None:
+        lines += [
+            f"host_tokens_per_rank       {host.host_tokens_per_rank:,} ({host.sized_by}): "
+            f"{_gib(host.host_bytes_per_rank)} of host memory per rank (MLA {_gib(host.mla_host_bytes_per_rank)} + "
+            f"index {_gib(host.index_host_bytes_per_rank)}; what stock gives a rank"
+            f"{'; --hicache-size counts 10**9 bytes, this table 2**30' if host.sized_by.startswith('--hicache-size') else ''})",
+            f"host_logical_tokens        {host.logical_host_tokens:,}   "
+            f"(replicated CP keeps {host.replicated_logical_host_tokens:,} in every rank's host memory)",
+        ]
     req = plan.request
     if req is not None:
         lines += [
