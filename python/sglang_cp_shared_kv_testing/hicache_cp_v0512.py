@@ -145,6 +145,15 @@ def _pages_metric(rank: int) -> Dict[str, float]:
             for direction in ("backed_up", "loaded_back")}
 
 
+def _host_tokens_metric(rank: int) -> Dict[str, float]:
+    """This process's ``sglang:cp_shared_kv_hicache_host_tokens`` for ``rank``, by kind."""
+    import prometheus_client
+
+    return {kind: prometheus_client.REGISTRY.get_sample_value(
+                "sglang:cp_shared_kv_hicache_host_tokens", {"cp_rank": str(rank), "kind": kind})
+            for kind in ("physical", "logical")}
+
+
 def _host_rows_outside(kv_host, lane_pages: torch.Tensor) -> bool:
     """Whether the KV host buffer (zeroed before the round trip) is zero outside the physical
     host pages ``lane_pages``."""
@@ -203,7 +212,8 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
                  # what the planner must say a rank's host memory is (pool.planner.plan_host_tier)
                  "device_physical_size": pool.physical_size, "kv_host_bytes": kv_host.kv_buffer.nbytes,
                  "index_host_bytes": index_host.index_k_with_scale_buffer.nbytes,
-                 "metric_pages": {d: metric_after[d] - metric_before[d] for d in metric_after}},
+                 "metric_pages": {d: metric_after[d] - metric_before[d] for d in metric_after},
+                 "metric_host_tokens": _host_tokens_metric(rank)},
         "foreign_host_rows_untouched": _host_rows_outside(kv_host, kv_host.rule.physical_pages(host_pages[mine])),
         "sync_calls": {step: dict(c) for step, c in trip.sync_calls.items()},
     }

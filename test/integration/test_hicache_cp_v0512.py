@@ -58,6 +58,7 @@ def test_each_rank_copies_only_its_pages_and_the_host_capacity_is_n_times(group_
         assert host["pages_backed_up"] == host["pages_loaded_back"] == host["own_pages"], rank
         # --enable-metrics: the Prometheus counter says the same, per rank and direction
         assert host["metric_pages"] == {"backed_up": host["own_pages"], "loaded_back": host["own_pages"]}, rank
+        assert host["metric_host_tokens"] == {"physical": host["physical_size"], "logical": host["size"]}, rank
         # the bytes stock gives a rank's host pool for its (physical) device pool; N times the tokens
         assert host["physical_size"] == host["stock_size_for_physical_pool"]
         assert host["size"] == n * host["physical_size"]

@@ -11,7 +11,9 @@ turns ``size`` and allocation logical: N times the buffer, allocated through
 
 Pages this rank copies are counted on the pool (``pages_backed_up``, ``pages_loaded_back``)
 and, with ``--enable-metrics``, in ``sglang:cp_shared_kv_hicache_pages_total{cp_rank,direction}``
-(direction ``backed_up`` or ``loaded_back``).
+(direction ``backed_up`` or ``loaded_back``); the host pool's tokens in
+``sglang:cp_shared_kv_hicache_host_tokens{cp_rank,kind}`` (``physical``: this rank's,
+``logical``: the group's).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
                     "tokens over the CP group of %d (each rank backs up and loads back its own pages)",
                     self.physical_size, self.physical_page_num, self.physical_size * self.size_per_token / 1e9,
                     self.size, self.rule.cp_size)
+        if self._metrics_enabled:
+            gauge = hicache_host_tokens_gauge()
+            gauge.labels(cp_rank=str(self.rule.layout.cp_rank), kind="physical").set(self.physical_size)
+            gauge.labels(cp_rank=str(self.rule.layout.cp_rank), kind="logical").set(self.size)
 
     # ------------------------------------------------------------ allocation
     @contextlib.contextmanager
@@ -147,3 +153,12 @@ def hicache_pages_counter():
         "Pages a CP rank copied between its device pool and its host pool under shared KV "
         "(each rank only its own pages): backed_up to host memory, loaded_back from it.",
         ("cp_rank", "direction"))
+
+
+def hicache_host_tokens_gauge():
+    # NOTE: "mostrecent": SGLang runs Prometheus in multiprocess mode; one value per (rank, kind)
+    return prometheus_metric(
+        "gauge", "sglang:cp_shared_kv_hicache_host_tokens",
+        "HiCache host pool tokens under shared KV: physical (this CP rank's host memory) and logical "
+        "(the CP group's host tier, N times a rank's).",
+        ("cp_rank", "kind"), multiprocess_mode="mostrecent")
