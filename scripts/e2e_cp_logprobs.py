@@ -191,20 +191,26 @@ def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path, extra
     return start_server(name, cmd, env, port, log_path, args.boot_timeout)
 
 
-def logprobs(port, ids, start):
+def generate(port, ids, start):
     """(the prompt's logprobs from ``start`` on, or ``{"refused": <the server's message>}``;
-    the tokens it found in the radix cache)."""
+    the answer's ``meta_info``, empty when the server refused the request over HTTP)."""
     try:
         out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
                                        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
                    timeout=300)  # NOTE: a 60K-token prefill of ranks sharing a GPU takes tens of seconds
     except urllib.error.HTTPError as exc:
-        return {"refused": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[-500:]}"}, None
+        return {"refused": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[-500:]}"}, {}
     meta = out["meta_info"]
     finish = meta.get("finish_reason") or {}
     if isinstance(finish, dict) and finish.get("type") == "abort":
-        return {"refused": str(finish.get("message"))}, meta.get("cached_tokens")
-    return [x[0] for x in meta["input_token_logprobs"]], meta.get("cached_tokens")
+        return {"refused": str(finish.get("message"))}, meta
+    return [x[0] for x in meta["input_token_logprobs"]], meta
+
+
+def logprobs(port, ids, start):
+    """(:func:`generate`'s logprobs; the tokens it found in the radix cache)."""
+    result, meta = generate(port, ids, start)
+    return result, meta.get("cached_tokens")
 
 
 def answered(results, *runs):

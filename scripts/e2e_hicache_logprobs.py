@@ -51,7 +51,6 @@ from sglang_cp_shared_kv_testing import shared_gpu
 from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
     accumulate_runs,
-    post,
     prometheus_labels,
     prometheus_samples,
     stable_topk_problem,
@@ -62,7 +61,7 @@ from sglang_cp_shared_kv_testing.server import (
 )
 from sglang_cp_shared_kv_testing.support import load_script
 
-E2E = load_script("e2e_cp_logprobs")  # its launch and compare: one way to start a server and to compare
+E2E = load_script("e2e_cp_logprobs")  # its launch, generate and compare: one way to start, ask and compare
 
 PAGE = 64
 PREFIX = 3008  # 47 pages: a history chunk and a shorter one when computed (CHUNK 2,048)
@@ -134,13 +133,8 @@ def pages_by_rank(samples):
 
 def ask(port, ids, start):
     """(logprobs from ``start`` on or {"refused": ...}, cached tokens, their details)."""
-    out = post(port, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": start,
-                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}, timeout=300)
-    meta = out["meta_info"]
-    finish = meta.get("finish_reason") or {}
-    if isinstance(finish, dict) and finish.get("type") == "abort":
-        return {"refused": str(finish.get("message"))}, meta.get("cached_tokens"), meta.get("cached_tokens_details")
-    return [x[0] for x in meta["input_token_logprobs"]], meta.get("cached_tokens"), meta.get("cached_tokens_details")
+    result, meta = E2E.generate(port, ids, start)
+    return result, meta.get("cached_tokens"), meta.get("cached_tokens_details")
 
 
 def one_run(name, model, args, log_path):

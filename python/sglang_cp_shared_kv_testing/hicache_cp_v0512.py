@@ -136,22 +136,23 @@ def _shared_pool(rank: int, n: int, dtype_name: str, physical_pages: int):
     return pool, CpSharedPagedTokenToKVPoolAllocator(logical, PAGE, dtype, "cpu", pool, True)
 
 
-def _pages_metric(rank: int) -> Dict[str, float]:
-    """This process's ``sglang:cp_shared_kv_hicache_pages_total`` for ``rank``, by direction."""
+def _metric_by(name: str, rank: int, label: str, values, missing=None) -> Dict[str, float]:
+    """This process's samples of Prometheus metric ``name`` for ``rank``, by ``label`` value
+    (``missing`` where it has none yet)."""
     import prometheus_client
 
-    return {direction: prometheus_client.REGISTRY.get_sample_value(
-                "sglang:cp_shared_kv_hicache_pages_total", {"cp_rank": str(rank), "direction": direction}) or 0.0
-            for direction in ("backed_up", "loaded_back")}
+    samples = {value: prometheus_client.REGISTRY.get_sample_value(name, {"cp_rank": str(rank), label: value})
+               for value in values}
+    return {value: missing if sample is None else sample for value, sample in samples.items()}
+
+
+def _pages_metric(rank: int) -> Dict[str, float]:
+    return _metric_by("sglang:cp_shared_kv_hicache_pages_total", rank, "direction", ("backed_up", "loaded_back"),
+                      missing=0.0)
 
 
 def _host_tokens_metric(rank: int) -> Dict[str, float]:
-    """This process's ``sglang:cp_shared_kv_hicache_host_tokens`` for ``rank``, by kind."""
-    import prometheus_client
-
-    return {kind: prometheus_client.REGISTRY.get_sample_value(
-                "sglang:cp_shared_kv_hicache_host_tokens", {"cp_rank": str(rank), "kind": kind})
-            for kind in ("physical", "logical")}
+    return _metric_by("sglang:cp_shared_kv_hicache_host_tokens", rank, "kind", ("physical", "logical"))
 
 
 def _host_rows_outside(kv_host, lane_pages: torch.Tensor) -> bool:

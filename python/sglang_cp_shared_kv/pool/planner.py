@@ -95,9 +95,8 @@ def plan_host_tier(shape: NsaModelShape, cp_size: int, kv_cache_dtype: str, phys
         host_tokens_per_rank=tokens,
         mla_host_bytes_per_rank=tokens * mla_token_bytes,
         # NOTE: the index host buffer has (size + page + 1) // page pages (NSAIndexerPoolHost), one
-        # more than the MLA host pool's, as the device index buffer has (kv_geometry.pool_bytes)
-        index_host_bytes_per_rank=(tokens + PAGE_SIZE + 1) // PAGE_SIZE * PAGE_SIZE * shape.index_row_bytes
-        * shape.num_layers,
+        # more than the MLA host pool's: the device index buffer's formula (kv_geometry.pool_bytes)
+        index_host_bytes_per_rank=shape.pool_bytes(tokens, dtype, PAGE_SIZE)[1],
         logical_host_tokens=cp_size * tokens,
         replicated_logical_host_tokens=tokens,
     )
