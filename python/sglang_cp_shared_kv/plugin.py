@@ -42,6 +42,7 @@ _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
 _HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"  # 0.5.12.post1
 _HYBRID_CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _HOST_POOL_GROUP = "sglang.srt.mem_cache.memory_pool_host.HostPoolGroup"
+_HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"  # 0.5.12.post1
 _KV_CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"  # 0.5.23
 _DSA_BACKEND = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"  # 0.5.23
 _DSA_INDEXER = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"  # 0.5.23
@@ -130,7 +131,18 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
                  "around"),
         HookSpec(f"{_HOST_POOL_GROUP}.backup_from_device_all_layer", hicache.backup_own_rows, "around"),
         HookSpec(f"{_HOST_POOL_GROUP}.load_to_device_per_layer", hicache.load_own_rows, "around"),
-        HookSpec("sglang.srt.mem_cache.hiradix_cache.HiRadixCache.loading_check", hicache.agree_on_loads_done,
+        HookSpec(f"{_HIRADIX}.loading_check", hicache.agree_on_loads_done, "around"),
+        # --- HiCache's storage tier (L3): each rank stores and fetches its own pages
+        HookSpec(f"{_HYBRID_CONTROLLER}.attach_storage_backend", hicache.shard_storage_backend, "after"),
+        HookSpec(f"{_HYBRID_CONTROLLER}._storage_hit_query", hicache.hit_query_own_pages, "around"),
+        HookSpec(f"{_HYBRID_CONTROLLER}._page_transfer", hicache.mark_prefetch_transfer_done, "around"),
+        HookSpec("sglang.srt.managers.cache_controller.HiCacheController.append_host_mem_release",
+                 hicache.release_host_pages_in_prefetch_order, "around"),
+        HookSpec(f"{_HIRADIX}.prefetch_from_storage", hicache.open_prefetch_pages, "around"),
+        HookSpec(f"{_HIRADIX}.check_prefetch_progress", hicache.resolve_prefetch_pages, "around"),
+        HookSpec(f"{_HIRADIX}.release_aborted_request", hicache.resolve_aborted_prefetch_pages, "around"),
+        HookSpec(f"{_HIRADIX}.drain_storage_control_queues", hicache.drain_with_prefetch_pages, "around"),
+        HookSpec(f"{_HIRADIX}._force_release_pending_storage_ops", hicache.release_prefetch_pages_on_detach,
                  "around"),
         # --- PD transfer of each rank's shard
         *_transfer_hooks_on_both_releases(),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 import types
 from collections import Counter
 from contextlib import ExitStack, contextmanager
@@ -356,6 +357,10 @@ class PoolBytes:
     def equal(self, other: "PoolBytes") -> bool:
         return self.mismatches(other) == []
 
+    def prefix(self, tokens: int, page_size: int = PAGE) -> "PoolBytes":
+        """The content of the first ``tokens`` tokens (whole pages)."""
+        return PoolBytes(mla=[t[:tokens] for t in self.mla], index=[t[:tokens // page_size] for t in self.index])
+
     def mismatches(self, other: "PoolBytes") -> List[str]:
         """Where ``other`` differs (empty: bit-identical), for assertion messages."""
         out = []
@@ -604,8 +609,110 @@ def round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = STOCK_ACC
                      sync_calls=scenario.sync_calls)
 
 
+# ---------------------------------------------------------------- the storage tier (L3)
+def settle(cache, done: Callable[[], bool], *, what: str, max_steps: int = 600, pause_s: float = 0.02) -> int:
+    """Scheduler steps until ``done()``: each step runs ``check_hicache_events`` (the scheduler's
+    per-step HiCache work, with its rank agreements), then ``done()``, whose answer must be the
+    same on every rank (an agreed state), so every rank runs the same number of steps. Returns
+    the steps taken; raises ``TimeoutError`` after ``max_steps`` (on every rank alike)."""
+    for step in range(1, max_steps + 1):
+        cache.check_hicache_events()
+        if done():
+            return step
+        time.sleep(pause_s)
+    raise TimeoutError(f"{what}: not done after {max_steps} scheduler steps")
+
+
+def host_tokens_in_tree(cache) -> int:
+    """Host tokens the radix tree holds (every node's ``host_value``)."""
+    held, stack = 0, [cache.root_node]
+    while stack:
+        node = stack.pop()
+        if node is not cache.root_node and node.host_value is not None:
+            held += len(node.host_value)
+        stack.extend(node.children.values())
+    return held
+
+
+def poison_host(cache, seed: int) -> None:
+    """Random bytes over both host pools (every row), so a prefetch that fetched nothing cannot pass."""
+    gen = torch.Generator().manual_seed(seed)
+    for pool in host_pools(cache):
+        buffer = pool.kv_buffer if hasattr(pool, "kv_buffer") else pool.index_k_with_scale_buffer
+        raw = buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+
+
+@dataclass
+class StorageTrip:
+    """What :func:`storage_round_trip` saw. ``stored_hashes``: the request's page keys as SGLang
+    computed them; ``device_hit_before``/``host_hit_before``: the tree's match once the request
+    left device and host memory; ``loaded_tokens``: what SGLang counted as fetched from storage;
+    ``host_hit_length``: the host hit after the prefetch; ``device_bytes_after_load``: the bytes at
+    ``new_locs`` after loading that hit back; ``host_tokens``: (free host tokens + host tokens in
+    the tree, the host pool's size) once every prefetch page was released."""
+
+    stored_hashes: List[str]
+    device_hit_before: int
+    host_hit_before: int
+    loaded_tokens: int
+    host_hit_length: int
+    new_locs: torch.Tensor
+    written: PoolBytes
+    device_bytes_after_load: PoolBytes
+    host_tokens: tuple
+    steps: Dict[str, int]
+
+
+def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = STOCK_ACCESS, req_id: str = "req",
+                       store: bool = True, before_prefetch: Optional[Callable[[List[str]], None]] = None,
+                       released: Callable[[], bool] = lambda: True) -> StorageTrip:
+    """One request through the storage tier of ``cache`` (built with a storage backend): place
+    and insert it, back it up to host (write-through) and from host to storage, evict it from
+    device and host memory, poison both, prefetch it from storage (``prefetch_from_storage`` as
+    the scheduler calls it for a request whose prefix left the tree; ``check_prefetch_progress``
+    every step until done), load the host hit back and read it. ``store=False``: only the
+    prefetch (what another group stored). ``before_prefetch(hashes)``: runs just before the
+    prefetch (e.g. a lost object). ``released()``: an agreed "every prefetch page is free again",
+    awaited before the host pool is audited."""
+    scenario = HiCacheScenario(cache, access)
+    steps: Dict[str, int] = {}
+    tokens = len(request.token_ids)
+    hashes: List[str] = []
+    if store:
+        locs = scenario.place(request)
+        scenario.insert(request, locs)
+        scenario.backup(request, locs)
+        steps["stored"] = settle(cache, lambda: not cache.ongoing_backup, what="the backup to storage")
+        hashes = list(scenario.node(request).hash_value)
+        scenario.evict(tokens)
+        cache.evict_host(tokens)
+        scenario.poison(locs, seed=0xBAD)
+    poison_host(cache, seed=0xBAD + 1)
+    before = scenario.match(request)
+    if before_prefetch is not None:
+        before_prefetch(hashes)
+    cache.prefetch_from_storage(req_id, cache.root_node, list(request.token_ids), None, None)
+    steps["prefetched"] = settle(cache, lambda: cache.check_prefetch_progress(req_id), what="the prefetch")
+    loaded = cache.pop_prefetch_loaded_tokens(req_id)
+    match = scenario.match(request)
+    if match.host_hit_length:
+        new_locs = scenario.load_back(match)
+    else:
+        new_locs = torch.empty(0, dtype=torch.int64)
+    steps["released"] = settle(cache, released, what="the release of the prefetch's host pages")
+    host = host_pools(cache)[0]  # (the KV pool: a pool group's size is the anchor's at construction)
+    return StorageTrip(stored_hashes=hashes, device_hit_before=len(before.device_indices),
+                       host_hit_before=before.host_hit_length, loaded_tokens=loaded,
+                       host_hit_length=match.host_hit_length, new_locs=new_locs,
+                       written=request.content.prefix(len(new_locs), cache.page_size),
+                       device_bytes_after_load=access.read(cache.kv_cache, new_locs),
+                       host_tokens=(host.available_size() + host_tokens_in_tree(cache), host.size), steps=steps)
+
+
 __all__ = ["hicache_on_cpu", "KVCACHEIO_STANDINS", "transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf",
            "transfer_kv_per_layer_direct_pf_lf", "stock_nsa_pool", "stock_allocator", "world_of_one",
            "build_hicache", "host_pools", "expected_host_size", "PoolBytes", "PoolAccess", "STOCK_ACCESS",
            "page_starts", "seeded_bytes", "read_host", "HiCacheRequest", "RoundTrip", "HiCacheScenario",
-           "round_trip", "PAGE", "DTYPES", "SUPPORTED_IO"]
+           "round_trip", "PAGE", "DTYPES", "SUPPORTED_IO", "settle", "host_tokens_in_tree", "poison_host",
+           "StorageTrip", "storage_round_trip"]

@@ -28,7 +28,11 @@ REFUSALS = {
     "staging_buffer": ({}, {}, {"SGLANG_DISAGG_STAGING_BUFFER": "1"}, "SGLANG_DISAGG_STAGING_BUFFER=1",
                        "unset SGLANG_DISAGG_STAGING_BUFFER"),
     "hicache_storage": ({"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}, {}, {},
-                        "--hicache-storage-backend file", "remove --hicache-storage-backend"),
+                        "--hicache-storage-backend file", "use --hicache-storage-backend mooncake"),
+    "hicache_storage_tag": ({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake",
+                             "hicache_mem_layout": "page_first_direct",
+                             "hicache_storage_backend_extra_config": '{"extra_backend_tag": "a"}'}, {}, {},
+                            "--hicache-storage-backend-extra-config extra_backend_tag='a'", "remove extra_backend_tag"),
     "hisparse": ({"enable_hisparse": True, "disable_radix_cache": True}, {}, {}, "--enable-hisparse", "Remove --enable-hisparse"),
     "speculative_nextn": ({"speculative_algorithm": "NEXTN"}, {}, {}, "--speculative-algorithm",
                           "Remove the speculative-decoding options"),
@@ -130,6 +134,15 @@ def test_hicache_host_memory_is_served(tiny_nsa_model, monkeypatch):
         server_args = _build(tiny_nsa_model, {"enable_hierarchical_cache": True, "hicache_mem_layout": layout}, {}, {},
                              monkeypatch)
         assert configuration_problems(server_args) == []
+
+
+def test_hicache_storage_in_mooncake_is_served(tiny_nsa_model, monkeypatch):
+    """HiCache with a Mooncake store (L3): each rank stores and fetches its own pages."""
+    server_args = _build(tiny_nsa_model, {"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake",
+                                          "hicache_mem_layout": "page_first_direct",
+                                          "hicache_storage_backend_extra_config": '{"prefetch_threshold": 64}'},
+                         {}, {}, monkeypatch)
+    assert configuration_problems(server_args) == []
 
 
 def test_valid_configuration_passes(tiny_nsa_model, monkeypatch):

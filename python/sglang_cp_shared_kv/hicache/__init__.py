@@ -9,6 +9,8 @@ logical host capacity is N times one rank's:
   rank-identical allocator of logical host pages, lane by lane;
 * :mod:`.host_pool_v0512`: SGLang 0.5.12.post1's MLA host pool sized per rank, exposing the
   logical capacity, allocating through the lanes;
+* :mod:`.storage_v0512`: the storage tier (L3) as one rank uses it (its own pages, keys naming
+  the CP size) and the host pages of prefetches, freed in the same order on every rank;
 * :mod:`.hooks_v0512`: the hooks (a host page in its device page's lane at backup, a device
   page in its host page's lane at load-back, each copy narrowed to this rank's rows in
   physical terms, load-back completion agreed by the group).

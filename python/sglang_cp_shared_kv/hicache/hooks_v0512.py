@@ -16,6 +16,21 @@ Each passes straight through unless the device pool is the shared-KV pool (flag 
 * ``HiRadixCache.loading_check`` AROUND: a load-back counts as done when it is done on every
   rank (SGLang then unlocks the nodes, which changes what eviction may take: that must
   happen in the same step everywhere).
+
+With a storage tier (L3, :mod:`.storage_v0512`):
+
+* ``HybridCacheController.attach_storage_backend`` AFTER: the backend behind
+  :class:`~.storage_v0512.ShardedStorage` (own pages, physical rows, keys naming the CP size),
+  every rank storing;
+* ``HybridCacheController._storage_hit_query`` AROUND: a prefetch's existence query checks the
+  pages of this rank's lane;
+* the host pages of a prefetch freed in prefetch order (``PrefetchHostPages``):
+  ``HiRadixCache.prefetch_from_storage`` AROUND opens an entry; ``check_prefetch_progress`` and
+  ``release_aborted_request`` AROUND resolve it; ``HybridCacheController._page_transfer`` AROUND
+  marks it idle; ``HiCacheController.append_host_mem_release`` AROUND drops the storage threads'
+  per-rank releases; ``drain_storage_control_queues`` AROUND frees the entries ready on every
+  rank in SGLang's one MIN of the step; ``_force_release_pending_storage_ops`` AROUND frees what
+  a detach leaves.
 """
 
 from __future__ import annotations
@@ -54,6 +69,11 @@ def expose_logical_host_capacity(result, radix_cache, *args, **kwargs):
     host = _owner_local_host(radix_cache.token_to_kv_pool_host)
     if host is not None:
         host.expose_logical_capacity()
+        controller = radix_cache.cache_controller
+        if getattr(controller, "enable_storage", False):
+            # NOTE: SGLang's bound on tokens held by prefetches, from logical sizes: it was computed
+            # while the host pool showed one rank's tokens against the logical device pool
+            controller.prefetch_capacity_limit = max(0, int(0.8 * (host.size - controller.mem_pool_device.size)))
     return result
 
 
@@ -132,3 +152,125 @@ def agree_on_loads_done(original, radix_cache):
         return original(radix_cache)
     finally:
         controller.ack_load_queue = controller.ack_load_queue + queue[agreed:]
+
+
+# ---------------------------------------------------------------- the storage tier (L3)
+def _sharded_storage(controller):
+    """The controller's :class:`.storage_v0512.ShardedStorage`, or None (flag off, no L3)."""
+    from sglang_cp_shared_kv.hicache.storage_v0512 import ShardedStorage
+
+    backend = getattr(controller, "storage_backend", None)
+    return backend if isinstance(backend, ShardedStorage) else None
+
+
+def shard_storage_backend(result, controller, *args, **kwargs):
+    host = _owner_local_host(controller.mem_pool_host)
+    if host is None or not getattr(controller, "enable_storage", False) or _sharded_storage(controller) is not None:
+        return result
+    from sglang_cp_shared_kv.hicache.storage_v0512 import ShardedStorage
+
+    storage = ShardedStorage(controller.storage_backend, host.rule, metrics=host.count_copied_pages)
+    controller.storage_backend = storage
+    # NOTE: stock lets only attention-TP rank 0 store an MLA model's pages (every rank holds all
+    # of them); here each CP rank holds, so stores, only its own
+    controller.backup_skip = False
+    logger.info("CP shared KV HiCache storage: CP rank %d stores and fetches only its own pages in %s, under "
+                "keys <page hash>%s (a CP group of another size misses them)", host.rule.layout.cp_rank,
+                type(storage.backend).__name__, storage.keys.suffix)
+    return result
+
+
+def hit_query_own_pages(original, controller, operation):
+    storage = _sharded_storage(controller)
+    if storage is None:
+        return original(controller, operation)
+    with storage.query_for(operation.host_indices):
+        return original(controller, operation)
+
+
+def _prefetch_pages(controller):
+    """This rank's prefetch host pages (:class:`.storage_v0512.PrefetchHostPages`), or None (flag off)."""
+    host = _owner_local_host(controller.mem_pool_host)
+    return host.prefetch_pages if host is not None else None
+
+
+def mark_prefetch_transfer_done(original, controller, operation):
+    pages = _prefetch_pages(controller)
+    try:
+        return original(controller, operation)
+    finally:
+        if pages is not None:
+            pages.transfer_done(operation)
+
+
+def release_host_pages_in_prefetch_order(original, controller, host_indices):
+    pages = _prefetch_pages(controller)
+    if pages is None:
+        return original(controller, host_indices)
+    pages.note_release(host_indices)
+    return None
+
+
+def open_prefetch_pages(original, radix_cache, req_id, *args, **kwargs):
+    before = radix_cache.ongoing_prefetch.get(req_id)
+    result = original(radix_cache, req_id, *args, **kwargs)
+    pages = _prefetch_pages(radix_cache.cache_controller)
+    after = radix_cache.ongoing_prefetch.get(req_id)
+    if pages is not None and after is not None and after is not before:
+        _node, _key, host_indices, operation = after
+        pages.opened(req_id, operation, host_indices)
+    return result
+
+
+def _resolving_prefetch(original, radix_cache, req_id, *, first_free):
+    pages = _prefetch_pages(radix_cache.cache_controller)
+    if pages is None:
+        return original(radix_cache, req_id)
+    entry = radix_cache.ongoing_prefetch.get(req_id)
+    with pages.capturing() as released:
+        result = original(radix_cache, req_id)
+    if entry is not None and radix_cache.ongoing_prefetch.get(req_id) is not entry:
+        operation = entry[3]
+        pages.resolved(operation, first_free(operation, released.tokens))
+    return result
+
+
+def resolve_prefetch_pages(original, radix_cache, req_id):
+    # NOTE: SGLang releases the tokens between the group's fetched count (its MIN) and this
+    # rank's; the tree took every token before that MIN (or freed it, as already cached)
+    return _resolving_prefetch(original, radix_cache, req_id,
+                               first_free=lambda operation, released: operation.completed_tokens - released)
+
+
+def resolve_aborted_prefetch_pages(original, radix_cache, rid):
+    return _resolving_prefetch(original, radix_cache, rid, first_free=lambda operation, released: 0)
+
+
+def drain_with_prefetch_pages(original, radix_cache):
+    controller = radix_cache.cache_controller
+    pages = _prefetch_pages(controller)
+    if pages is None:
+        return original(radix_cache)
+    counts = torch.tensor([controller.prefetch_revoke_queue.qsize(), controller.ack_backup_queue.qsize(),
+                           controller.host_mem_release_queue.qsize(), pages.ready_count()], dtype=torch.int)
+    # NOTE: SGLang's one MIN of this step over the attention-CP group, with one more count
+    radix_cache._all_reduce_attn_groups(counts, torch.distributed.ReduceOp.MIN)
+    n_revoke, n_backup, n_release, n_ready = (int(c) for c in counts.tolist())
+    revoked = list(controller.prefetch_revoke_queue.queue)[:n_revoke]  # (only this thread takes from it)
+    radix_cache._drain_storage_control_queues_impl(n_revoke=n_revoke, n_backup=n_backup, n_release=n_release,
+                                                   log_metrics=True)
+    pages.revoked(revoked)
+    free = pages.release(n_ready)
+    if free.numel():
+        controller.mem_pool_host.free(free)
+
+
+def release_prefetch_pages_on_detach(original, radix_cache):
+    pages = _prefetch_pages(radix_cache.cache_controller)
+    tracked = [info[3] for info in radix_cache.ongoing_prefetch.values()]
+    result = original(radix_cache)
+    if pages is not None:
+        free = pages.release_at_detach(tracked)
+        if free.numel():
+            radix_cache.cache_controller.mem_pool_host.free(free)
+    return result

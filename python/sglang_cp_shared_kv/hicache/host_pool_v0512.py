@@ -7,11 +7,12 @@ the device pool shows its physical size: the host buffer holds ratio x one rank'
 the bytes stock gives each rank. Once SGLang has built the index-K sidecar (which copies
 the KV host pool's size and page count at construction), :meth:`expose_logical_capacity`
 turns ``size`` and allocation logical: N times the buffer, allocated through
-:class:`~.host_lanes.HostPageLanes`.
+:class:`~.host_lanes.HostPageLanes`. With a storage tier, the host pages of prefetches in
+flight are kept in :class:`~.storage_v0512.PrefetchHostPages` (``prefetch_pages``).
 
-Pages this rank copies are counted on the pool (``pages_backed_up``, ``pages_loaded_back``)
-and, with ``--enable-metrics``, in ``sglang:cp_shared_kv_hicache_pages_total{cp_rank,direction}``
-(direction ``backed_up`` or ``loaded_back``); the host pool's tokens in
+Pages this rank copies are counted on the pool (``pages_copied``) and, with
+``--enable-metrics``, in ``sglang:cp_shared_kv_hicache_pages_total{cp_rank,direction}``
+(:data:`COPY_DIRECTIONS`); the host pool's tokens in
 ``sglang:cp_shared_kv_hicache_host_tokens{cp_rank,kind}`` (``physical``: this rank's,
 ``logical``: the group's).
 """
@@ -26,11 +27,16 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
+from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages
 from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 
 logger = logging.getLogger(__name__)
+
+#: the directions of ``sglang:cp_shared_kv_hicache_pages_total``: device -> host, host -> device,
+#: host -> storage (L3), storage -> host
+COPY_DIRECTIONS = ("backed_up", "loaded_back", "stored", "fetched")
 
 
 class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
@@ -42,25 +48,32 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
         self.lanes: Optional[HostPageLanes] = None  # physical until expose_logical_capacity
         self._pending_lanes: Optional[torch.Tensor] = None
         self._check = debug_enabled()
+        #: the host pages of storage prefetches in flight (freed in prefetch order)
+        self.prefetch_pages = PrefetchHostPages()
         with attributes_set(device_pool, size=device_pool.physical_size):
             super().__init__(device_pool, *args, **kwargs)
         self.physical_size = self.size
         self.physical_page_num = self.page_num
-        #: pages this rank copied: backed up from its device pool, loaded back into it
-        self.pages_backed_up = 0
-        self.pages_loaded_back = 0
+        #: pages this rank copied: backed up from its device pool, loaded back into it, stored
+        #: to the storage tier (L3), fetched from it
+        self.pages_copied = dict.fromkeys(COPY_DIRECTIONS, 0)
         self._metrics_enabled = bool(getattr(device_pool.context, "metrics_enabled", False))
 
     def count_copied_pages(self, direction: str, pages: int) -> None:
-        """``pages`` of this rank's pages more ``direction`` ("backed_up" or "loaded_back")."""
-        if direction == "backed_up":
-            self.pages_backed_up += pages
-        elif direction == "loaded_back":
-            self.pages_loaded_back += pages
-        else:
-            raise ValueError(f"count_copied_pages: direction must be backed_up or loaded_back, got {direction!r}")
+        """``pages`` of this rank's pages more ``direction`` (one of :data:`COPY_DIRECTIONS`)."""
+        if direction not in self.pages_copied:
+            raise ValueError(f"count_copied_pages: direction must be one of {COPY_DIRECTIONS}, got {direction!r}")
+        self.pages_copied[direction] += pages
         if self._metrics_enabled:
             hicache_pages_counter().labels(cp_rank=str(self.rule.layout.cp_rank), direction=direction).inc(pages)
+
+    @property
+    def pages_backed_up(self) -> int:
+        return self.pages_copied["backed_up"]
+
+    @property
+    def pages_loaded_back(self) -> int:
+        return self.pages_copied["loaded_back"]
 
     @property
     def cp_layout(self):
@@ -88,6 +101,7 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
 
     def clear(self):
         super().clear()
+        self.prefetch_pages.clear()
         if self.lanes is not None:
             self.lanes.clear()
 
@@ -150,8 +164,9 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
 def hicache_pages_counter():
     return prometheus_metric(
         "counter", "sglang:cp_shared_kv_hicache_pages_total",
-        "Pages a CP rank copied between its device pool and its host pool under shared KV "
-        "(each rank only its own pages): backed_up to host memory, loaded_back from it.",
+        "Pages a CP rank copied under shared KV (each rank only its own pages): backed_up from its "
+        "device pool to host memory, loaded_back from host memory, stored to the HiCache storage "
+        "tier (L3), fetched from it.",
         ("cp_rank", "direction"))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import json
 import logging
 from typing import Any, List, Optional
 
@@ -296,15 +297,37 @@ def hicache_problems(server_args, refuse) -> None:
                f"--enable-hierarchical-cache, or serve with {serving}.")
         return
     if server_args.hicache_storage_backend:
-        refuse(f"--hicache-storage-backend {server_args.hicache_storage_backend}",
-               "a HiCache storage tier (L3) is not sharded yet: each rank would store and fetch pages it does "
-               "not hold; remove --hicache-storage-backend (host memory, L2, is served).")
+        storage_problems(server_args, refuse)
     if server_args.hicache_mem_layout not in HICACHE_MEM_LAYOUTS:
         refuse(f"--hicache-mem-layout {server_args.hicache_mem_layout}",
                f"the sharded host tier serves the layouts {', '.join(HICACHE_MEM_LAYOUTS)}; choose one of them.")
     if server_args.hicache_io_backend not in HICACHE_IO_BACKENDS:
         refuse(f"--hicache-io-backend {server_args.hicache_io_backend}",
                f"the sharded host tier serves the copy backends {', '.join(HICACHE_IO_BACKENDS)}; choose one of them.")
+
+
+#: the HiCache storage backends (L3) the sharded tier serves (hicache/storage_v0512.py)
+HICACHE_STORAGE_BACKENDS = ("mooncake",)
+
+
+def storage_problems(server_args, refuse) -> None:
+    """What the sharded storage tier (L3) does not serve: another backend; a key tag."""
+    backend = server_args.hicache_storage_backend
+    if backend not in HICACHE_STORAGE_BACKENDS:
+        refuse(f"--hicache-storage-backend {backend}",
+               f"the sharded HiCache storage tier serves {', '.join(HICACHE_STORAGE_BACKENDS)} (each rank stores "
+               f"and fetches its own pages); use --hicache-storage-backend {HICACHE_STORAGE_BACKENDS[0]}, or remove "
+               "--hicache-storage-backend (host memory, L2, is served with any backend).")
+    extra = server_args.hicache_storage_backend_extra_config
+    try:
+        extra = json.loads(extra) if isinstance(extra, str) and extra.strip().startswith("{") else {}
+    except ValueError:
+        extra = {}  # (SGLang reports a malformed value itself)
+    if isinstance(extra, dict) and extra.get("extra_backend_tag") is not None:
+        refuse(f"--hicache-storage-backend-extra-config extra_backend_tag={extra['extra_backend_tag']!r}",
+               "SGLang 0.5.12.post1 applies the tag twice when it asks whether an NSA page exists, so no prefetch "
+               "would ever hit; under the flag the keys already name the CP group's size (<hash>@cp<N>): remove "
+               "extra_backend_tag, or give each deployment its own Mooncake master.")
 
 
 def prefill_feature_problems(server_args, refuse) -> None:
