@@ -16,7 +16,9 @@
 #   scripts/bench_e2e_ttft.py with those arguments (needs 2 GPUs; "--cp-size 1 ..." the stock
 #   TP1 noise floor on one; JSON and logs to $out);
 #   HICACHE="--tp 2 --share-gpu --parallel 4" runs scripts/e2e_hicache_logprobs.py (HiCache's host tier
-#   under the flag vs a device hit; several sets separated by ';', each report named after them);
+#   under the flag vs a device hit; several sets separated by ';', each report named after them;
+#   "... --runs device,off_storage,on_storage": its storage tier, L3, against a Mooncake store it
+#   starts, which needs .gpu-site/mooncake-cuda13.tar.xz built with STORE=1);
 #   CP_SIZES="3,5,6,7" runs scripts/repro_cp_sizes.py (stock in-seq split at those CP sizes, one GPU; CP_SIZES_ARGS adds options);
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
@@ -48,7 +50,9 @@ if [ ! -d "$site/sglang" ]; then
   mkdir -p "$site" && tar -xJf .gpu-site/site312.tar.xz -C "$site"
   python3 -m pip install -q --no-deps --no-index --target "$site" .wheels/*.whl
 fi
-if [ -f .gpu-site/mooncake-cuda13.tar.xz ] && [ ! -f "$site/mooncake/engine.so" ]; then
+# (again where the carried bundle has the store, STORE=1, and the site does not yet)
+if [ -f .gpu-site/mooncake-cuda13.tar.xz ] && { [ ! -f "$site/mooncake/engine.so" ] || { [ ! -d "$site/mooncake/store" ] \
+    && tar -tJf .gpu-site/mooncake-cuda13.tar.xz ./mooncake/store/__init__.py >/dev/null 2>&1; }; }; then
   tar -xJf .gpu-site/mooncake-cuda13.tar.xz -C "$site"
 fi
 if [ -f .gpu-site/jit-cache.tar.xz ] && [ ! -d "$HOME/.cache/tvm-ffi" ]; then

@@ -43,12 +43,20 @@ class MooncakeMaster:
 
 
 def master_binary() -> str:
-    """``mooncake_master`` beside this interpreter (the venv's), else on PATH; raises if none."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("mooncake_master")
+    """``mooncake_master`` beside this interpreter (a venv's), in the ``mooncake`` package (the
+    GPU site of ``STORE=1 scripts/build_gpu_mooncake.sh``), else on PATH; raises if none."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mooncake")
+    places = [os.path.dirname(sys.executable), *(spec.submodule_search_locations or [] if spec else [])]
+    for place in places:
+        candidate = os.path.join(place, "mooncake_master")
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("mooncake_master")
     if not found:
-        raise FileNotFoundError("mooncake_master not found beside the interpreter or on PATH (it comes with "
-                                "mooncake-transfer-engine-non-cuda; scripts/bootstrap.sh installs it)")
+        raise FileNotFoundError("mooncake_master not found beside the interpreter, in the mooncake package or on "
+                                "PATH (it comes with mooncake-transfer-engine; scripts/bootstrap.sh installs it)")
     return found
 
 

@@ -376,10 +376,12 @@ def test_hicache_runs_evict_the_prefix_to_host_and_judge_it_from_their_records()
 
     hc = load_script("e2e_hicache_logprobs")
     for n in (2, 3, 4, 8):
-        for name, (_, hicache, _, _) in hc.RUNS.items():
+        for name, spec in hc.RUNS.items():
             assert hc.host_holds_the_prefix(name, n)
-            if hicache:
+            if spec.hicache:
                 assert hc.filler_count(name, n) * hc.FILLER > hc.logical_pool(name, n)
+            if spec.storage:  # the fillers push the prefix out of host memory too
+                assert hc.filler_count(name, n) * hc.FILLER > (1 + spec.hicache_ratio) * hc.logical_pool(name, n)
         probe = hc.prompts("on_hicache", n)[-1]
         assert probe[0] == "probe" and probe[2] == hc.PREFIX and hc.PREFIX % hc.PAGE == 0
     lp = [-1.5, -2.25, -0.125]
@@ -403,3 +405,43 @@ def test_hicache_runs_evict_the_prefix_to_host_and_judge_it_from_their_records()
     idle_rank["on_hicache"]["hicache_pages"]["1"]["loaded_back"] = 0
     for bad in (off_by_a_bit, missed_host, idle_rank):
         assert not all(hc.hicache_checks("on_hicache", bad, 2).values())
+
+
+def test_storage_runs_judge_a_prefix_fetched_from_the_store():
+    """scripts/e2e_hicache_logprobs.py's storage runs (HiCache L3 with a Mooncake store): pass
+    only when the probe equals device's at every position, its prefix came from the store
+    (``cached_tokens_details["storage"]``) and every CP rank stored and fetched pages; their
+    server options name the store started for the run."""
+    import copy
+    import json
+    from types import SimpleNamespace
+
+    from sglang_cp_shared_kv_testing.support import load_script
+
+    hc = load_script("e2e_hicache_logprobs")
+    assert "on_storage" not in hc.DEFAULT_RUNS and hc.RUNS["on_storage"].storage
+    master = SimpleNamespace(extra_config=lambda **kw: {"master_server_address": "127.0.0.1:1", **kw})
+    options = hc.storage_args(master)
+    assert options[options.index("--hicache-storage-backend") + 1] == "mooncake"
+    assert json.loads(options[options.index("--hicache-storage-backend-extra-config") + 1])["master_server_address"]
+    lp = [-1.5, -2.25, -0.125]
+
+    def run(details, pages):
+        return json.loads(json.dumps({
+            "answers": {"prefix": {"logprobs": [-3.0]}, "probe": {"logprobs": list(lp), "cached_tokens": hc.PREFIX,
+                                                                 "cached_tokens_details": details}},
+            "hicache_pages": pages, "problems": []}))
+
+    pages = {0: {"stored": 300, "fetched": 23}, 1: {"stored": 310, "fetched": 24}}
+    stored = {"device": 0, "host": 0, "storage": hc.PREFIX, "storage_backend": "mooncake"}
+    runs = {"device": run({"device": hc.PREFIX, "host": 0}, {}), "on_storage": run(stored, pages)}
+    assert all(hc.storage_checks("on_storage", runs, 2).values())
+    from_host = copy.deepcopy(runs)
+    from_host["on_storage"]["answers"]["probe"]["cached_tokens_details"] = {"device": 0, "host": hc.PREFIX,
+                                                                            "storage": 0}
+    idle_rank = copy.deepcopy(runs)
+    idle_rank["on_storage"]["hicache_pages"]["1"]["fetched"] = 0
+    off_by_a_bit = copy.deepcopy(runs)
+    off_by_a_bit["on_storage"]["answers"]["probe"]["logprobs"][0] = -1.5000001
+    for bad in (from_host, idle_rank, off_by_a_bit):
+        assert not all(hc.storage_checks("on_storage", bad, 2).values())
