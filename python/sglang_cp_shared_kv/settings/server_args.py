@@ -325,8 +325,8 @@ def storage_problems(server_args, refuse) -> None:
         extra = {}  # (SGLang reports a malformed value itself)
     if isinstance(extra, dict) and extra.get("extra_backend_tag") is not None:
         refuse(f"--hicache-storage-backend-extra-config extra_backend_tag={extra['extra_backend_tag']!r}",
-               "SGLang 0.5.12.post1 applies the tag twice when it asks whether an NSA page exists, so no prefetch "
-               "would ever hit; under the flag the keys already name the CP group's size (<hash>@cp<N>): remove "
+               f"SGLang {installed.INSTALLED.version} applies the tag twice when it asks whether an NSA page exists, "
+               "so no prefetch would ever hit; under the flag the keys already name the CP group's size (<hash>@cp<N>): remove "
                "extra_backend_tag, or give each deployment its own Mooncake master.")
 
 
