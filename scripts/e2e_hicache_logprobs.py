@@ -244,20 +244,31 @@ def identical(a, b) -> bool:
     return a is not None and b is not None and len(a) == len(b) and all(x == y for x, y in zip(a, b))
 
 
-def storage_checks(name, runs, cp_size):
-    """The judged checks of a storage run against ``device`` (module docstring)."""
+def _probe_checks(name, runs, tier: str, where: str):
+    """A run's prefix and probe against ``device``'s, and its probe's prefix found cached in
+    ``tier`` (a key of ``cached_tokens_details``: host, storage)."""
     run, device = runs[name], runs["device"]
     probe = _answer(run, "probe")
     details = probe.get("cached_tokens_details") or {}
-    checks = {
+    return {
         f"{name}: the prefix's logprobs equal device's": identical(_logprobs(run, "prefix"), _logprobs(device, "prefix")),
         f"{name}: the probe's logprobs equal device's at every position":
             identical(_logprobs(run, "probe"), _logprobs(device, "probe")),
-        f"{name}: the probe found the {PREFIX} prefix tokens cached, all from the store":
-            (probe.get("cached_tokens") or 0) >= PREFIX and (details.get("storage") or 0) >= PREFIX,
+        f"{name}: the probe found the {PREFIX} prefix tokens cached, all {where}":
+            (probe.get("cached_tokens") or 0) >= PREFIX and (details.get(tier) or 0) >= PREFIX,
     }
+
+
+def _rank_pages(run):
+    # NOTE: int keys: a run's record comes back from its JSON file with the ranks as strings
+    return {int(rank): p for rank, p in run.get("hicache_pages", {}).items()}
+
+
+def storage_checks(name, runs, cp_size):
+    """The judged checks of a storage run against ``device`` (module docstring)."""
+    checks = _probe_checks(name, runs, "storage", "from the store")
     if RUNS[name].flag_on:
-        pages = {int(rank): p for rank, p in run.get("hicache_pages", {}).items()}
+        pages = _rank_pages(runs[name])
         checks[f"{name}: every CP rank stored pages and fetched pages"] = (
             sorted(pages) == list(range(cp_size))
             and all(p.get("stored", 0) > 0 and p.get("fetched", 0) > 0 for p in pages.values()))
@@ -268,19 +279,10 @@ def storage_checks(name, runs, cp_size):
 
 def hicache_checks(name, runs, cp_size):
     """The judged checks of a HiCache run against ``device`` (module docstring)."""
-    run, device = runs[name], runs["device"]
-    probe = _answer(run, "probe")
-    details = probe.get("cached_tokens_details") or {}
-    checks = {
-        f"{name}: the prefix's logprobs equal device's": identical(_logprobs(run, "prefix"), _logprobs(device, "prefix")),
-        f"{name}: the probe's logprobs equal device's at every position":
-            identical(_logprobs(run, "probe"), _logprobs(device, "probe")),
-        f"{name}: the probe found the {PREFIX} prefix tokens cached, all in host memory":
-            (probe.get("cached_tokens") or 0) >= PREFIX and (details.get("host") or 0) >= PREFIX,
-    }
+    run = runs[name]
+    checks = _probe_checks(name, runs, "host", "in host memory")
     if RUNS[name].flag_on:  # flag on: the host tier's own figures
-        # NOTE: int keys: a run's record comes back from its JSON file with the ranks as strings
-        pages = {int(rank): p for rank, p in run.get("hicache_pages", {}).items()}
+        pages = _rank_pages(run)
         checks[f"{name}: every CP rank backed pages up and loaded pages back"] = (
             sorted(pages) == list(range(cp_size))
             and all(p.get("backed_up", 0) > 0 and p.get("loaded_back", 0) > 0 for p in pages.values()))
