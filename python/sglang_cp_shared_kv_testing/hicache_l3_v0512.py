@@ -11,7 +11,8 @@ which keys the store holds).
 
 Cases (:data:`CASES`): the round trip in bf16 and in fp8, flag off (``stock``) and on; a page
 object lost from the store before the prefetch (the group's hit ends before it, on every rank);
-a fetch that fails on one rank only (the group inserts the pages before it); a prefetch of what
+a fetch that fails on one rank only (the group inserts the pages before it); a prefetch started
+twice under one request id (the one SGLang forgets is freed too); a prefetch of what
 a group of another CP size stored (``fetch_only``: a clean miss).
 """
 
@@ -57,6 +58,8 @@ class StorageCase:
     #: (rank, page): that rank's fetches of its pages from that page on fail
     fail_fetch: Optional[tuple] = None
     physical_pages: int = 8
+    #: the prefetch started twice under one request id (SGLang forgets the first)
+    prefetch_twice: bool = False
 
 
 CASES = (
@@ -66,6 +69,7 @@ CASES = (
     StorageCase("lost_page", seed=103, lose_page=3),
     StorageCase("fetch_fails_on_rank_1", seed=104, fail_fetch=(1, 2)),
     StorageCase("lost_page_fp8", seed=105, dtype_name="fp8_e4m3", lose_page=1),
+    StorageCase("prefetch_started_twice", seed=106, prefetch_twice=True),
 )
 
 
@@ -131,7 +135,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
     try:
         trip = storage_round_trip(cache, request, access=access,
                                   req_id=f"{case.name}-req", store=case.store, before_prefetch=before_prefetch,
-                                  released=released)
+                                  released=released, prefetches=2 if case.prefetch_twice else 1)
     finally:
         if patched is not None:
             del patched.batch_get_v1

@@ -666,7 +666,7 @@ class StorageTrip:
 
 def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = STOCK_ACCESS, req_id: str = "req",
                        store: bool = True, before_prefetch: Optional[Callable[[List[str]], None]] = None,
-                       released: Callable[[], bool] = lambda: True) -> StorageTrip:
+                       released: Callable[[], bool] = lambda: True, prefetches: int = 1) -> StorageTrip:
     """One request through the storage tier of ``cache`` (built with a storage backend): place
     and insert it, back it up to host (write-through) and from host to storage, evict it from
     device and host memory, poison both, prefetch it from storage (``prefetch_from_storage`` as
@@ -674,7 +674,8 @@ def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = S
     every step until done), load the host hit back and read it. ``store=False``: only the
     prefetch (what another group stored). ``before_prefetch(hashes)``: runs just before the
     prefetch (e.g. a lost object). ``released()``: an agreed "every prefetch page is free again",
-    awaited before the host pool is audited."""
+    awaited before the host pool is audited. ``prefetches``: how many times the prefetch is
+    started under the same request id (SGLang then tracks only the last)."""
     scenario = HiCacheScenario(cache, access)
     steps: Dict[str, int] = {}
     tokens = len(request.token_ids)
@@ -692,7 +693,8 @@ def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = S
     before = scenario.match(request)
     if before_prefetch is not None:
         before_prefetch(hashes)
-    cache.prefetch_from_storage(req_id, cache.root_node, list(request.token_ids), None, None)
+    for _ in range(prefetches):
+        cache.prefetch_from_storage(req_id, cache.root_node, list(request.token_ids), None, None)
     steps["prefetched"] = settle(cache, lambda: cache.check_prefetch_progress(req_id), what="the prefetch")
     loaded = cache.pop_prefetch_loaded_tokens(req_id)
     match = scenario.match(request)

@@ -217,6 +217,10 @@ def open_prefetch_pages(original, radix_cache, req_id, *args, **kwargs):
     pages = _prefetch_pages(radix_cache.cache_controller)
     after = radix_cache.ongoing_prefetch.get(req_id)
     if pages is not None and after is not None and after is not before:
+        if before is not None:
+            # NOTE: SGLang replaced a prefetch it still tracked under this request id, and will never
+            # resolve it: its pages go back once its storage threads are done with it
+            pages.resolved(before[3], 0)
         _node, _key, host_indices, operation = after
         pages.opened(req_id, operation, host_indices)
     return result
