@@ -117,7 +117,9 @@ class ShardedAccess(PoolAccess):
         return torch.stack(parts)[owners, torch.arange(owners.numel())]
 
 
-def _shared_pool(rank: int, n: int, dtype_name: str, physical_pages: int):
+def shared_pool(rank: int, n: int, dtype_name: str, physical_pages: int):
+    """Rank ``rank``'s shared-KV NSA pool of ``physical_pages`` pages (N x as many logical) and
+    its allocator, metrics on (the flag-on side of the HiCache rigs)."""
     from sglang_cp_shared_kv.context import CpSharedKVContext
     from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
     from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
@@ -179,7 +181,7 @@ def _case(rank: int, n: int, group, case: HiCacheCase) -> dict:
     stock_trip = round_trip(build_hicache(stock_pool, stock_allocator(stock_pool), **options),
                             HiCacheRequest.seeded(stock_pool, pages=request_pages, seed=seed))
     # flag on
-    pool, allocator = _shared_pool(rank, n, dtype_name, physical_pages)
+    pool, allocator = shared_pool(rank, n, dtype_name, physical_pages)
     cache = build_hicache(pool, allocator, **options)
     host_pools(cache)[0].kv_buffer.view(torch.uint8).zero_()  # (SGLang leaves host memory uninitialised)
     access = ShardedAccess(cpu_group)
@@ -246,4 +248,4 @@ def run_hicache_group(n: int, cases=CASES + (CONTROL,), *, timeout_s: float = 30
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "CONTROL", "HiCacheCase", "ShardedAccess", "run_hicache_group"]
+__all__ = ["CASES", "CONTROL", "HiCacheCase", "ShardedAccess", "run_hicache_group", "shared_pool"]

@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import torch
 
 from sglang_cp_shared_kv_testing.cp_harness import finish_rank
-from sglang_cp_shared_kv_testing.hicache_cp_v0512 import ShardedAccess, _shared_pool
+from sglang_cp_shared_kv_testing.hicache_cp_v0512 import ShardedAccess, shared_pool
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     PAGE,
     STOCK_ACCESS,
@@ -89,7 +89,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
                    hicache_storage_backend_extra_config=json.dumps(extra),
                    hicache_storage_prefetch_policy="wait_complete")
     if case.flag:
-        pool, allocator = _shared_pool(rank, n, case.dtype_name, case.physical_pages)
+        pool, allocator = shared_pool(rank, n, case.dtype_name, case.physical_pages)
         access = ShardedAccess(cpu_group)
     else:
         pool = stock_nsa_pool(case.physical_pages * PAGE * n, dtype_name=case.dtype_name)

@@ -39,6 +39,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class ShardedStorage:
         self.cp_rank = rule.layout.cp_rank
         self.keys = ShardKeys(rule.cp_size)
         self._metrics = metrics  # count_copied_pages(direction, pages) of the KV host pool, or None
-        self._query_lanes = threading.local()
+        self._query_lanes = _QueryLanes()
         #: logical host pages of this rank whose index K the last sidecar fetch missed (the
         #: storage thread fetches a prefetch's index pages, then its KV pages)
         self._index_missing: set = set()
@@ -151,12 +152,12 @@ class ShardedStorage:
     def query_for(self, host_indices: Optional[torch.Tensor]):
         """Within the block, existence queries are for a prefetch into ``host_indices`` (its
         pages' lanes say which keys this rank checks). The prefetch thread's own state."""
-        return _Scoped(self._query_lanes, "lanes", None if host_indices is None else self.lanes_of(host_indices))
+        return attributes_set(self._query_lanes, lanes=None if host_indices is None else self.lanes_of(host_indices))
 
     def _own_hit(self, keys: List[str], exists_prefix) -> int:
         """The pages of ``keys`` up to this rank's first missing own page (pages with no host
         page behind them end the hit: no rank could fetch them)."""
-        lanes = getattr(self._query_lanes, "lanes", None)
+        lanes = self._query_lanes.lanes
         if lanes is None:
             raise RuntimeError(f"{FLAG}: a storage existence query outside a prefetch (no host pages to "
                                "say which of its pages are this rank's)")
@@ -173,18 +174,10 @@ class ShardedStorage:
         return sg.PoolTransferResult(hit, {t.name: hit for t in pool_transfers or ()} if hit else {})
 
 
-class _Scoped:
-    """Sets ``holder.name = value`` for a ``with`` block, then restores it."""
+class _QueryLanes(threading.local):
+    """The lanes of the prefetch whose existence query runs on this thread (None: none)."""
 
-    def __init__(self, holder, name, value):
-        self.holder, self.name, self.value = holder, name, value
-
-    def __enter__(self):
-        self.saved = getattr(self.holder, self.name, None)
-        setattr(self.holder, self.name, self.value)
-
-    def __exit__(self, *exc):
-        setattr(self.holder, self.name, self.saved)
+    lanes: Optional[torch.Tensor] = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -280,8 +273,7 @@ class PrefetchHostPages:
         """Remove the first ``count`` entries; the host pages to free (logical host locations)."""
         with self._lock:
             done, self._entries = self._entries[:count], self._entries[count:]
-        parts = [e.host_indices[e.release_from:] for e in done]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return _unused_pages(done)
 
     def release_at_detach(self, freed_by_sglang: Sequence[object]) -> torch.Tensor:
         """Drop every entry; the host pages to free of those whose operation is not in
@@ -290,9 +282,14 @@ class PrefetchHostPages:
         with self._lock:
             done, self._entries = self._entries, []
         skip = {id(op) for op in freed_by_sglang}
-        parts = [e.host_indices[e.release_from or 0:] for e in done if id(e.operation) not in skip]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+        return _unused_pages([e for e in done if id(e.operation) not in skip])
 
     def clear(self) -> None:
         with self._lock:
             self._entries = []
+
+
+def _unused_pages(entries: Sequence[_Prefetch]) -> torch.Tensor:
+    """The host locations the radix tree did not take of ``entries`` (all of an unresolved one's)."""
+    parts = [e.host_indices[e.release_from or 0:] for e in entries]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
