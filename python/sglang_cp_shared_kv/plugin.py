@@ -39,7 +39,7 @@ _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
-_HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"  # 0.5.12.post1
+_HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 _HYBRID_CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _HOST_POOL_GROUP = "sglang.srt.mem_cache.memory_pool_host.HostPoolGroup"
 _HIRADIX = "sglang.srt.mem_cache.hiradix_cache.HiRadixCache"  # 0.5.12.post1
@@ -92,6 +92,7 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
     from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit, metrics
     from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.hicache import hooks_v0512 as hicache
+    from sglang_cp_shared_kv.hicache import lane_hooks
     from sglang_cp_shared_kv.transfer import hooks as transfer
 
     return (
@@ -125,8 +126,8 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_HOST_POOLS}.build_kv_host_pool", hicache.build_owner_local_host_pool, "around"),
         HookSpec(f"{_HOST_POOLS}.attach_hybrid_nsa_pool_to_hiradix_cache", hicache.expose_logical_host_capacity,
                  "after"),
-        HookSpec(f"{_HYBRID_CONTROLLER}.write", hicache.backup_in_owner_lanes, "around"),
-        HookSpec(f"{_HYBRID_CONTROLLER}.load", hicache.load_back_in_host_lanes, "around"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.write", lane_hooks.backup_in_owner_lanes, "around"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.load", lane_hooks.load_back_in_host_lanes, "around"),
         HookSpec("sglang.srt.managers.cache_controller.HiCacheController.move_indices", hicache.move_own_rows,
                  "around"),
         HookSpec(f"{_HOST_POOL_GROUP}.backup_from_device_all_layer", hicache.backup_own_rows, "around"),
@@ -163,7 +164,8 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
 def _hooks_v0523() -> Tuple[HookSpec, ...]:
     """SGLang 0.5.23: the settings layer (:mod:`.settings.server_args_v0523`), the
     pool and capacity (:mod:`.pool.capacity_v0523`), the forward path under interleave CP
-    (:mod:`.forward.hooks_v0523`), the decode server (:mod:`.decode.server_v0523`) and the PD
+    (:mod:`.forward.hooks_v0523`), HiCache's host tier (:mod:`.hicache.hooks_v0523`), the decode
+    server (:mod:`.decode.server_v0523`) and the PD
     transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_v0523` where 0.5.23 changed the
     target's shape)."""
     from sglang_cp_shared_kv.pool import capacity_v0523
@@ -171,6 +173,8 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
     from sglang_cp_shared_kv.observability import metrics
     from sglang_cp_shared_kv.settings import server_args_v0523 as dsa
     from sglang_cp_shared_kv.forward import hooks_v0523 as forward
+    from sglang_cp_shared_kv.hicache import hooks_v0523 as hicache
+    from sglang_cp_shared_kv.hicache import lane_hooks
     from sglang_cp_shared_kv.transfer import hooks_v0523 as transfer_dsa
 
     return (
@@ -190,6 +194,12 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_DSA_INDEXER}._fused_k_prepare_and_store", forward.fused_index_k_owned_and_dense, "around"),
         HookSpec(f"{_DSA_BACKEND}.forward_extend", forward.forward_extend_on_dense_view, "around"),
         _forward_agreement_hook(),
+        # --- HiCache (L2): each rank's host pool holds, backs up and loads back its own pages
+        # (stock agrees the progress and narrows every copy once the controller is sharded)
+        HookSpec(f"{_HOST_POOLS}.build_kv_host_pool", hicache.build_owner_local_host_pool, "around"),
+        HookSpec(f"{_HOST_POOLS}.attach_hybrid_pool_to_unified_cache", hicache.mark_controller_sharded, "after"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.allocate_host_transfers", lane_hooks.backup_in_owner_lanes, "around"),
+        HookSpec(f"{_HYBRID_CONTROLLER}.load", lane_hooks.load_back_in_host_lanes, "around"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",

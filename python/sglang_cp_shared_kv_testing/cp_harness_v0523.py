@@ -44,9 +44,11 @@ def run_interleave_cp_group(n: int, jobs: List[tuple], model_dir: str, *,
     return merge_rank_outcomes(per_rank)
 
 
-def init_interleave_rank(rank: int, n: int, port: int, model_dir: str, stack: contextlib.ExitStack):
+def init_interleave_rank(rank: int, n: int, port: int, model_dir: str, stack: contextlib.ExitStack, *,
+                         server_args=None, timeout_s: float = TIMEOUT_S):
     """This process as CP rank ``rank`` of an interleave prefill server over ``n`` ranks (the
-    runtime context stays active until ``stack`` closes); returns its attention-CP group."""
+    runtime context stays active until ``stack`` closes); returns its attention-CP group.
+    ``server_args``: the server's (default: ``interleave_prefill_server_args`` of the model)."""
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.runtime_context import get_parallel
 
@@ -58,15 +60,17 @@ def init_interleave_rank(rank: int, n: int, port: int, model_dir: str, stack: co
     # NOTE: resolving the server arguments asks the GPU for its compute capability; answer
     # as the H200 (sm90) this runs on in a server
     torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
-    rank_context = CpuDsaRank(interleave_prefill_server_args(model_dir, tp=n), available_bytes=0, tp_rank=rank)
+    if server_args is None:
+        server_args = interleave_prefill_server_args(model_dir, tp=n)
+    rank_context = CpuDsaRank(server_args, available_bytes=0, tp_rank=rank)
     stack.enter_context(rank_context.active())
     ps.init_distributed_environment(world_size=n, rank=rank, local_rank=rank, backend="gloo",
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=TIMEOUT_S)
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", timeout=timeout_s)
     group = ps.GroupCoordinator(
         group_ranks=[list(range(n))], local_rank=rank, torch_distributed_backend="gloo", use_pynccl=False,
         use_mscclpp=False, use_custom_allreduce=False, use_torch_symm_mem_all_reduce=False,
         use_hpu_communicator=False, use_xpu_communicator=False, group_name="attn_cp",
-        gloo_timeout=timedelta(seconds=TIMEOUT_S))
+        gloo_timeout=timedelta(seconds=timeout_s))
     all_gather_through_gloo(group)
     stack.enter_context(get_parallel().override(attn_cp_group=group))
     parallel = get_parallel()

@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-from contextlib import nullcontext
-from dataclasses import dataclass
 import traceback
+from contextlib import nullcontext
 from typing import Dict, List
 
 import torch
+from sglang_cp_shared_kv.scoped import attributes_set
+from sglang_cp_shared_kv.settings.config import DEBUG_ENV
 
+from sglang_cp_shared_kv_testing.cp_harness import finish_rank
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     DTYPES,
     PAGE,
+    HiCacheCase,
     HiCacheRequest,
     PoolAccess,
     PoolBytes,
@@ -44,24 +47,11 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     stock_allocator,
     stock_nsa_pool,
 )
-from sglang_cp_shared_kv.scoped import attributes_set
-from sglang_cp_shared_kv.settings.config import DEBUG_ENV
-from sglang_cp_shared_kv_testing.cp_harness import finish_rank
-from sglang_cp_shared_kv_testing.support import free_port, gloo_attention_cp_group, run_rank_processes
-
-@dataclass(frozen=True)
-class HiCacheCase:
-    name: str
-    dtype_name: str
-    write_policy: str
-    mem_layout: str
-    physical_pages: int  #: device pages per rank
-    request_pages: int
-    debug: bool = False  #: the plugin's debug checks (SGLANG_DEBUG_CP_SHARED_KV=1)
-    #: the negative control: backups ignore their device pages' lanes (host pages dealt
-    #: out cyclically), on a request whose first page is rank 1's -- must come back wrong
-    lanes_ignored: bool = False
-
+from sglang_cp_shared_kv_testing.support import (
+    free_port,
+    gloo_attention_cp_group,
+    run_rank_processes,
+)
 
 CASES = (
     HiCacheCase("write_through", "bf16", "write_through", "layer_first", 8, 5),
@@ -125,7 +115,11 @@ def shared_pool(rank: int, n: int, dtype_name: str, physical_pages: int):
     from sglang_cp_shared_kv.pool.allocator import CpSharedPagedTokenToKVPoolAllocator
     from sglang_cp_shared_kv.pool.kv_pool_v0512 import CpSharedNSATokenToKVPool
 
-    from sglang_cp_shared_kv_testing.hicache_rig_v0512 import INDEX_DIM, KV_LORA_RANK, ROPE_DIM
+    from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
+        INDEX_DIM,
+        KV_LORA_RANK,
+        ROPE_DIM,
+    )
 
     dtype, dim = DTYPES[dtype_name]
     logical = physical_pages * PAGE * n

@@ -439,6 +439,25 @@ def read_host(cache, host_indices: torch.Tensor) -> PoolBytes:
 
 
 # ---------------------------------------------------------------- the scenario
+@dataclass(frozen=True)
+class HiCacheCase:
+    """One case of the sharded host tier rigs (both releases): a request's round trip on a CP group."""
+    name: str
+    dtype_name: str
+    write_policy: str
+    mem_layout: str
+    physical_pages: int  #: device pages per rank
+    request_pages: int
+    debug: bool = False  #: the plugin's debug checks (SGLANG_DEBUG_CP_SHARED_KV=1)
+    #: the negative control: backups ignore their device pages' lanes (host pages dealt out
+    #: cyclically), on a request whose first page is rank 1's -- must come back wrong
+    lanes_ignored: bool = False
+    #: ``fillers * N + 1`` requests of ``request_pages`` backed up and evicted from the device before
+    #: the round trip, more than the host tier holds: backups then find lanes short and evict host
+    #: pages (the 0.5.23 rig's pressure case)
+    fillers: int = 0
+
+
 @dataclass
 class HiCacheRequest:
     """One request's tokens (its radix key) and KV content (whole pages)."""
@@ -716,5 +735,5 @@ __all__ = ["hicache_on_cpu", "KVCACHEIO_STANDINS", "transfer_kv_direct", "transf
            "transfer_kv_per_layer_direct_pf_lf", "stock_nsa_pool", "stock_allocator", "world_of_one",
            "build_hicache", "host_pools", "expected_host_size", "PoolBytes", "PoolAccess", "STOCK_ACCESS",
            "page_starts", "seeded_bytes", "read_host", "HiCacheRequest", "RoundTrip", "HiCacheScenario",
-           "round_trip", "PAGE", "DTYPES", "SUPPORTED_IO", "settle", "host_tokens_in_tree", "poison_host",
+           "round_trip", "HiCacheCase", "PAGE", "DTYPES", "SUPPORTED_IO", "settle", "host_tokens_in_tree", "poison_host",
            "StorageTrip", "storage_round_trip"]

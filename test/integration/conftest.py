@@ -32,13 +32,14 @@ def plugin_loaded():
     from sglang.srt.plugins import load_plugins
 
     from sglang_cp_shared_kv.hook_check import registered_hooks
-    from sglang_cp_shared_kv.releases import installed
+    from sglang_cp_shared_kv.releases import installed, v0512
 
     on_cpu = contextlib.nullcontext()
-    if installed.INSTALLED.serves_hicache:
+    if installed.INSTALLED is v0512.RELEASE:
         from sglang_cp_shared_kv_testing.hicache_rig_v0512 import hicache_on_cpu
 
         # the HiCache hooks' targets import memory_pool_host, which imports sgl_kernel.kvcacheio (CUDA)
+        # (0.5.23's host pools import it only on CUDA/ROCm: nothing to stand in for the hooks)
         on_cpu = hicache_on_cpu()
     with on_cpu:
         load_plugins()

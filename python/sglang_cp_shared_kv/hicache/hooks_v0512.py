@@ -8,7 +8,7 @@ Each passes straight through unless the device pool is the shared-KV pool (flag 
   host pool turns logical (capacity and allocation);
 * ``HybridCacheController.write`` AROUND: the backup's host pages in its device pages' owner
   lanes; ``HybridCacheController.load`` AROUND: the load-back's device pages in its host
-  pages' lanes;
+  pages' lanes (both in :mod:`.lane_hooks`, shared with 0.5.23);
 * ``HiCacheController.move_indices`` AROUND: every copy (KV and index K, backup and load-back)
   narrowed to this rank's rows, in physical rows of its host and device buffers;
 * ``HostPoolGroup.backup_from_device_all_layer`` / ``.load_to_device_per_layer`` AROUND: a copy
@@ -36,21 +36,13 @@ With a storage tier (L3, :mod:`.storage_v0512`):
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 
-from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 
 logger = logging.getLogger(__name__)
-
-
-def _owner_local_host(host_pool) -> Optional[object]:
-    """The shared-KV KV host pool behind ``host_pool`` (SGLang's pool group or a host pool), or None."""
-    anchor = getattr(host_pool, "anchor_entry", None)
-    pool = anchor.host_pool if anchor is not None else host_pool
-    return pool if isinstance(getattr(pool, "rule", None), HostPageRule) else None
 
 
 def build_owner_local_host_pool(original, *, kv_pool, page_size, server_args, use_mla, override_kv_cache_dim=None):
@@ -66,7 +58,7 @@ def build_owner_local_host_pool(original, *, kv_pool, page_size, server_args, us
 
 
 def expose_logical_host_capacity(result, radix_cache, *args, **kwargs):
-    host = _owner_local_host(radix_cache.token_to_kv_pool_host)
+    host = owner_local_host(radix_cache.token_to_kv_pool_host)
     if host is not None:
         host.expose_logical_capacity()
         controller = radix_cache.cache_controller
@@ -77,30 +69,8 @@ def expose_logical_host_capacity(result, radix_cache, *args, **kwargs):
     return result
 
 
-def backup_in_owner_lanes(original, controller, device_indices, *args, **kwargs):
-    host = _owner_local_host(controller.mem_pool_host)
-    if host is None or device_indices.numel() == 0:
-        return original(controller, device_indices, *args, **kwargs)
-    # NOTE: one small device read per backup (the device pages' owners): a host page must be
-    # in its device page's lane, and the radix tree holds device locations on the device.
-    owners = host.rule.layout.owner_for_logical_pages(host.rule.first_pages(device_indices), validate=False).cpu()
-    with host.pages_in_lanes(owners):
-        return original(controller, device_indices, *args, **kwargs)
-
-
-def load_back_in_host_lanes(original, controller, host_indices, *args, **kwargs):
-    host = _owner_local_host(controller.mem_pool_host)
-    if host is None or host_indices.numel() == 0:
-        return original(controller, host_indices, *args, **kwargs)
-    allocator = controller.mem_pool_device_allocator
-    allocator = getattr(allocator, "full_attn_allocator", allocator)
-    lanes = host.rule.lanes(host.rule.first_pages(host_indices.cpu()))
-    with allocator.pages_in_lanes(lanes):
-        return original(controller, host_indices, *args, **kwargs)
-
-
 def move_own_rows(original, controller, host_indices, device_indices):
-    host = _owner_local_host(controller.mem_pool_host)
+    host = owner_local_host(controller.mem_pool_host)
     if host is not None:
         host_indices, device_indices = host.own_rows(host_indices, device_indices)
     return original(controller, host_indices, device_indices)
@@ -112,7 +82,7 @@ def _nothing_to_copy(host_indices, pool_transfers) -> bool:
 
 
 def backup_own_rows(original, group, device_pool, host_indices, device_indices, io_backend, pool_transfers=None):
-    host = _owner_local_host(group)
+    host = owner_local_host(group)
     if host is not None:
         if _nothing_to_copy(host_indices, pool_transfers):
             return None
@@ -122,7 +92,7 @@ def backup_own_rows(original, group, device_pool, host_indices, device_indices, 
 
 def load_own_rows(original, group, device_pool, host_indices, device_indices, layer_id, io_backend,
                   pool_transfers=None):
-    host = _owner_local_host(group)
+    host = owner_local_host(group)
     if host is not None:
         if _nothing_to_copy(host_indices, pool_transfers):
             return None
@@ -133,7 +103,7 @@ def load_own_rows(original, group, device_pool, host_indices, device_indices, la
 
 
 def agree_on_loads_done(original, radix_cache):
-    if _owner_local_host(radix_cache.token_to_kv_pool_host) is None or not radix_cache.ongoing_load_back:
+    if owner_local_host(radix_cache.token_to_kv_pool_host) is None or not radix_cache.ongoing_load_back:
         return original(radix_cache)  # (ongoing_load_back is the same on every rank)
     controller = radix_cache.cache_controller
     queue = controller.ack_load_queue
@@ -164,7 +134,7 @@ def _sharded_storage(controller):
 
 
 def shard_storage_backend(result, controller, *args, **kwargs):
-    host = _owner_local_host(controller.mem_pool_host)
+    host = owner_local_host(controller.mem_pool_host)
     if host is None or not getattr(controller, "enable_storage", False) or _sharded_storage(controller) is not None:
         return result
     from sglang_cp_shared_kv.hicache.storage_v0512 import ShardedStorage
@@ -190,7 +160,7 @@ def hit_query_own_pages(original, controller, operation):
 
 def _prefetch_pages(controller):
     """This rank's prefetch host pages (:class:`.storage_v0512.PrefetchHostPages`), or None (flag off)."""
-    host = _owner_local_host(controller.mem_pool_host)
+    host = owner_local_host(controller.mem_pool_host)
     return host.prefetch_pages if host is not None else None
 
 

@@ -17,11 +17,12 @@ rank's own state).
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+from sglang_cp_shared_kv.settings.config import FLAG
 
 
 class HostPageRule:
@@ -47,6 +48,29 @@ class HostPageRule:
     def first_pages(self, locs: torch.Tensor) -> torch.Tensor:
         """The page of each whole page of ``locs`` (token locations, whole pages in order)."""
         return locs[:: self.page_size] // self.page_size
+
+    def owned_rows(self, host_indices: torch.Tensor, device_indices: torch.Tensor,
+                   check: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Of one copy's (logical host, logical device) token locations, the rows this rank
+        holds, as (physical host rows, physical device rows). Decided from the host locations
+        (CPU): a host page's lane is its device page's owner (allocation keeps them equal), so
+        no device read; ``check`` reads the device pages' owners and compares."""
+        host_indices = host_indices.cpu()
+        layout = self.layout
+        lanes = self.lanes(host_indices // self.page_size)
+        if check:
+            # NOTE: every page of the copy, not only this rank's: the same on every rank, so a
+            # broken pairing fails every rank here together, none waiting in a collective
+            owners = layout.owner_for_logical_pages(device_indices // self.page_size).cpu()
+            if not torch.equal(owners, lanes):
+                raise AssertionError(f"{FLAG}: host pages of lanes {lanes[::self.page_size].tolist()} are paired with "
+                                     f"device pages of ranks {owners[::self.page_size].tolist()}")
+        positions = (lanes == layout.cp_rank).nonzero().squeeze(1)
+        host_rows = self.physical_rows(host_indices.index_select(0, positions))
+        if device_indices.is_cuda:  # NOTE: a pageable host-to-device copy would wait for the stream
+            positions = positions.pin_memory().to(device_indices.device, non_blocking=True)
+        picked = device_indices.index_select(0, positions)
+        return host_rows, layout.logical_locs_to_physical(picked, validate=False)
 
 
 class HostPageLanes:
@@ -104,6 +128,32 @@ class HostPageLanes:
             back = pages[lanes == rank]
             if back.numel():
                 self._free[rank] = torch.sort(torch.cat([self._free[rank], back])).values
+
+    def alloc_locs(self, need_size: int, lanes: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The logical host token locations of ``need_size`` tokens (whole pages): page i in lane
+        ``lanes[i]`` (None: :meth:`cyclic_lanes`), or None when a lane runs short."""
+        page = self.rule.page_size
+        if need_size % page:
+            raise ValueError(f"{FLAG}: host allocation of {need_size} tokens is not whole pages of {page}")
+        pages = need_size // page
+        lanes = self.cyclic_lanes(pages) if lanes is None else lanes
+        if lanes.numel() != pages:
+            raise ValueError(f"{FLAG}: {lanes.numel()} host lanes given for a {pages}-page allocation")
+        got = self.alloc(lanes)
+        if got is None:
+            return None
+        return (got[:, None] * page + torch.arange(page)).reshape(-1)
+
+    def free_locs(self, indices: torch.Tensor, check: bool = False) -> int:
+        """Give back the pages of logical host token locations ``indices``; ``check``: refuse a
+        page that is already free (a double free). Returns the number of locations."""
+        pages = torch.unique(indices.cpu() // self.rule.page_size)
+        if check:
+            twice = self.free_page_set() & set(pages.tolist())
+            if twice:
+                raise AssertionError(f"{FLAG}: host pages {sorted(twice)[:8]} freed while free")
+        self.free(pages)
+        return len(indices)
 
     def free_page_set(self) -> set:
         """Every free page (a debug check's view)."""

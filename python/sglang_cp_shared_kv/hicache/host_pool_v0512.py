@@ -27,10 +27,10 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
+from sglang_cp_shared_kv.hicache.metrics import hicache_host_tokens_gauge, hicache_pages_counter
 from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages
-from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 from sglang_cp_shared_kv.scoped import attributes_set
-from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
+from sglang_cp_shared_kv.settings.config import debug_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -113,67 +113,16 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
     def alloc(self, need_size: int) -> Optional[torch.Tensor]:
         if self.lanes is None:
             return super().alloc(need_size)
-        if need_size % self.page_size:
-            raise ValueError(f"{FLAG}: host allocation of {need_size} tokens is not whole pages of {self.page_size}")
         with self.lock:
-            pages = need_size // self.page_size
-            lanes = self._pending_lanes if self._pending_lanes is not None else self.lanes.cyclic_lanes(pages)
-            if lanes.numel() != pages:
-                raise ValueError(f"{FLAG}: {lanes.numel()} host lanes given for a {pages}-page allocation")
-            got = self.lanes.alloc(lanes)
-        if got is None:
-            return None
-        return (got[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+            return self.lanes.alloc_locs(need_size, self._pending_lanes)
 
     def free(self, indices: torch.Tensor) -> int:
         if self.lanes is None:
             return super().free(indices)
-        pages = torch.unique(indices.cpu() // self.page_size)
         with self.lock:
-            if self._check:
-                twice = self.lanes.free_page_set() & set(pages.tolist())
-                if twice:
-                    raise AssertionError(f"{FLAG}: host pages {sorted(twice)[:8]} freed while free")
-            self.lanes.free(pages)
-        return len(indices)
+            return self.lanes.free_locs(indices, check=self._check)
 
     # ------------------------------------------------------------ this rank's rows
     def own_rows(self, host_indices: torch.Tensor, device_indices: torch.Tensor):
-        """Of one copy's (logical host, logical device) token locations, the rows this rank
-        holds, as (physical host rows, physical device rows). Decided from the host
-        locations (CPU): a host page's lane is its device page's owner (allocation keeps
-        them equal), so no device read."""
-        host_indices = host_indices.cpu()
-        layout = self.rule.layout
-        lanes = self.rule.lanes(host_indices // self.page_size)
-        if self._check:
-            # NOTE: every page of the copy, not only this rank's: the same on every rank, so a
-            # broken pairing fails every rank here together, none waiting in a collective
-            owners = layout.owner_for_logical_pages(device_indices // self.page_size).cpu()
-            if not torch.equal(owners, lanes):
-                raise AssertionError(f"{FLAG}: host pages of lanes {lanes[::self.page_size].tolist()} are paired with "
-                                     f"device pages of ranks {owners[::self.page_size].tolist()}")
-        positions = (lanes == layout.cp_rank).nonzero().squeeze(1)
-        host_rows = self.rule.physical_rows(host_indices.index_select(0, positions))
-        if device_indices.is_cuda:  # NOTE: a pageable host-to-device copy would wait for the stream
-            positions = positions.pin_memory().to(device_indices.device, non_blocking=True)
-        picked = device_indices.index_select(0, positions)
-        return host_rows, layout.logical_locs_to_physical(picked, validate=False)
-
-
-def hicache_pages_counter():
-    return prometheus_metric(
-        "counter", "sglang:cp_shared_kv_hicache_pages_total",
-        "Pages a CP rank copied under shared KV (each rank only its own pages): backed_up from its "
-        "device pool to host memory, loaded_back from host memory, stored to the HiCache storage "
-        "tier (L3), fetched from it.",
-        ("cp_rank", "direction"))
-
-
-def hicache_host_tokens_gauge():
-    # NOTE: "mostrecent": SGLang runs Prometheus in multiprocess mode; one value per (rank, kind)
-    return prometheus_metric(
-        "gauge", "sglang:cp_shared_kv_hicache_host_tokens",
-        "HiCache host pool tokens under shared KV: physical (this CP rank's host memory) and logical "
-        "(the CP group's host tier, N times a rank's).",
-        ("cp_rank", "kind"), multiprocess_mode="mostrecent")
+        """This rank's rows of one copy (:meth:`.host_lanes.HostPageRule.owned_rows`)."""
+        return self.rule.owned_rows(host_indices, device_indices, check=self._check)

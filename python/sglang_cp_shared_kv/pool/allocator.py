@@ -274,8 +274,9 @@ class CpSharedPagedTokenToKVPoolAllocator(sg.PagedTokenToKVPoolAllocator):
         """Put one free page of each of ``ranks``' lanes at the front of ``free_pages``, in order
         (every free page a candidate); the device bool saying whether every lane had them (the
         free list unchanged where not), or None when the pool has fewer free pages than ranks."""
-        if self.need_sort and len(self.release_pages):
-            self.merge_and_sort_free()
+        # NOTE: SGLang's own merge of the pages freed since (0.5.12.post1 keeps them in
+        # release_pages, 0.5.23 in staged_pages; a no-op where there are none)
+        self.merge_and_sort_free()
         if self.free_pages.numel() < len(ranks):
             return None
         self.free_pages, found = compute_owner_order_on_device(self.free_pages, ranks, self.cp_layout.cp_size,

@@ -1,6 +1,7 @@
 """SGLang 0.5.23: DSA prefill CP with the interleave strategy (docs/design.md, "The CP
 strategy on 0.5.23"): its settings layer, the pool and capacity built by its KV
-configurator, several requests per prefill batch, every rank sending its index pages.
+configurator, several requests per prefill batch, every rank sending its index pages, HiCache's
+host tier (L2) sharded like the device pool.
 Bit-exact in the CPU rigs on its real classes; not run on a GPU yet (no lent image carries its
 torch 2.14.1), which startup says."""
 
@@ -55,4 +56,7 @@ RELEASE = Release(
     attention_backend_module="sglang.srt.layers.attention.dsa_backend",
     bootstrap_target="test-0.5.23",
     hisparse_signal="room",
+    # NOTE: host memory (L2) only; the storage tier (L3) is refused on this release
+    # (settings.server_args.HICACHE_STORAGE_RELEASES)
+    serves_hicache=True,
 )

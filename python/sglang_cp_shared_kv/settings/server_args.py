@@ -308,11 +308,22 @@ def hicache_problems(server_args, refuse) -> None:
 
 #: the HiCache storage backends (L3) the sharded tier serves (hicache/storage_v0512.py)
 HICACHE_STORAGE_BACKENDS = ("mooncake",)
+#: the releases whose HiCache storage tier (L3) the flag shards (0.5.23: host memory, L2, only)
+HICACHE_STORAGE_RELEASES = (v0512.RELEASE,)
 
 
 def storage_problems(server_args, refuse) -> None:
-    """What the sharded storage tier (L3) does not serve: another backend; a key tag."""
+    """What the sharded storage tier (L3) does not serve: another release's storage tier;
+    another backend; a key tag."""
     backend = server_args.hicache_storage_backend
+    release = installed.INSTALLED
+    if release not in HICACHE_STORAGE_RELEASES:
+        serving = " or ".join(f"sglang=={r.version}" for r in HICACHE_STORAGE_RELEASES)
+        refuse(f"--hicache-storage-backend {backend}",
+               f"the sharded HiCache storage tier (L3) is not built for SGLang {release.version} yet (its host "
+               "memory tier, L2, is); remove --hicache-storage-backend (and its extra config) to keep HiCache in "
+               f"host memory, or serve with {serving} for L3.")
+        return
     if backend not in HICACHE_STORAGE_BACKENDS:
         refuse(f"--hicache-storage-backend {backend}",
                f"the sharded HiCache storage tier serves {', '.join(HICACHE_STORAGE_BACKENDS)} (each rank stores "

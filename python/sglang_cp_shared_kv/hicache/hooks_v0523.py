@@ -1,0 +1,46 @@
+"""The HiCache hooks of SGLang 0.5.23 (thin: translate, call the host tier).
+
+0.5.23's HiCache is ``UnifiedRadixCache`` with a ``HybridCacheController`` over a
+``HostPoolGroup`` (KV anchor + DSA index-K sidecar). Stock already agrees every step's
+HiCache progress in one MIN over the attention-CP group (``_sync_hicache_ready_counts``),
+skips empty copies, and narrows the KV copy and every sidecar through the anchor's
+``owned_rows`` once the controller is sharded (``_move_kv_shard_indices``). Each hook passes
+straight through unless the device pool is the shared-KV pool (flag on):
+
+* ``hybrid_pool_assembler.build_kv_host_pool`` AROUND: the pool's ``host_capacity_tokens`` set
+  to its physical size (stock then sizes this rank's host buffers, and the sidecar after them,
+  as for a rank of that device pool), and the built pool wrapped in
+  :class:`.host_pool_v0523.CpSharedKVHostPool` (lanes, ``owned_rows``, the lane floor);
+* ``hybrid_pool_assembler.attach_hybrid_pool_to_unified_cache`` AFTER: the controller marked
+  sharded (``is_kv_sharded``: stock decides it by upstream's own host-pool class);
+* ``HybridCacheController.allocate_host_transfers`` AROUND: a backup's host pages in its device
+  pages' owner lanes; ``HybridCacheController.load`` AROUND: a load-back's device pages in its
+  host pages' lanes (both in :mod:`.lane_hooks`, shared with 0.5.12.post1).
+"""
+
+from __future__ import annotations
+
+import logging
+from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
+from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
+
+logger = logging.getLogger(__name__)
+
+
+def build_owner_local_host_pool(original, *args, kv_pool, **kwargs):
+    if not isinstance(kv_pool, CpSharedPoolMixin):
+        return original(*args, kv_pool=kv_pool, **kwargs)
+    from sglang_cp_shared_kv.hicache.host_pool_v0523 import CpSharedKVHostPool
+
+    # NOTE: stock sizes the host pool from host_capacity_tokens when set, else from the (logical) size
+    kv_pool.host_capacity_tokens = kv_pool.physical_size
+    return CpSharedKVHostPool(original(*args, kv_pool=kv_pool, **kwargs), kv_pool)
+
+
+def mark_controller_sharded(result, cache, *args, **kwargs):
+    controller = getattr(cache, "cache_controller", None)
+    host = owner_local_host(getattr(controller, "mem_pool_host", None))
+    if host is not None:
+        # NOTE: stock sets it from isinstance(anchor, PageInterleaveHostPool), upstream's own facade
+        controller.is_kv_sharded = True
+    return result

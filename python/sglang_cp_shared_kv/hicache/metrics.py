@@ -1,0 +1,27 @@
+"""The sharded HiCache tier's Prometheus metrics (with ``--enable-metrics``), one definition
+for every release's host pool: pages each CP rank copied, by direction, and its host tokens."""
+
+from __future__ import annotations
+
+from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
+
+
+def hicache_pages_counter():
+    return prometheus_metric(
+        "counter", "sglang:cp_shared_kv_hicache_pages_total",
+        "Pages a CP rank copied under shared KV (each rank only its own pages): backed_up from its "
+        "device pool to host memory, loaded_back from host memory, stored to the HiCache storage "
+        "tier (L3), fetched from it.",
+        ("cp_rank", "direction"))
+
+
+def hicache_host_tokens_gauge():
+    # NOTE: "mostrecent": SGLang runs Prometheus in multiprocess mode; one value per (rank, kind)
+    return prometheus_metric(
+        "gauge", "sglang:cp_shared_kv_hicache_host_tokens",
+        "HiCache host pool tokens under shared KV: physical (this CP rank's host memory) and logical "
+        "(the CP group's host tier, N times a rank's).",
+        ("cp_rank", "kind"), multiprocess_mode="mostrecent")
+
+
+__all__ = ["hicache_host_tokens_gauge", "hicache_pages_counter"]
