@@ -65,8 +65,8 @@ from sglang_cp_shared_kv_testing import shared_gpu
 from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
     accumulate_runs,
-    prometheus_labels,
     prometheus_samples,
+    samples_by_rank,
     stable_topk_problem,
     startup_figures,
     stop,
@@ -165,11 +165,7 @@ def shared_host_tokens(log_text: str):
 
 def pages_by_rank(samples):
     """{cp rank: {"backed_up": pages, "loaded_back": pages}} from PAGES_METRIC's samples."""
-    ranks = {}
-    for labels, value in samples.items():
-        fields = prometheus_labels(labels)
-        ranks.setdefault(int(fields["cp_rank"]), {})[fields["direction"]] = int(value)
-    return dict(sorted(ranks.items()))
+    return samples_by_rank(samples, "direction")
 
 
 def ask(port, ids, start):

@@ -18,6 +18,13 @@ the prefill's pool ``--pool`` tokens per rank, decode's DECODE_POOL = (2N - 1) /
          requests ended, mid-load (the first ``--fault-requests`` of the plan, decode's
          waiting timeout FAULT_WAITING_TIMEOUT_S): judged
 
+``--hicache-ratio R``: every phase's prefill also runs HiCache's host tier (L2,
+``--enable-hierarchical-cache``, write-through, a host pool of R x a rank's device pool): the
+prefixes the small pool evicts stay in host memory, and a later request on them is loaded back
+and sent to decode (PD with host hits, under load). The radix check then counts host hits
+(``cached_tokens_details``) beside device hits, and the flag's phases must show every CP rank
+backing pages up and loading pages back (``sglang:cp_shared_kv_hicache_pages_total``).
+
 The load (``sglang_cp_shared_kv_testing.pd_load``, deterministic from ``--seed``):
 ``--requests`` requests (>= 200 to pass) from ``--clients`` concurrent clients (>= 8), each
 request posted to both servers with its own bootstrap room and request id, decode generating
@@ -83,6 +90,7 @@ from typing import Dict, List, NamedTuple, Optional
 
 from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
+from sglang_cp_shared_kv.hicache.metrics import HICACHE_PAGES_METRIC
 from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, leak_found
 from sglang_cp_shared_kv.releases import v0512
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
@@ -113,6 +121,7 @@ from sglang_cp_shared_kv_testing.server import (
     live_group_members,
     prometheus_labels,
     prometheus_samples,
+    samples_by_rank,
     stable_topk_problem,
     start_server,
     startup_figures,
@@ -199,6 +208,9 @@ def server_commands(args, name: str, ports):
             cmd.append("--enable-metrics")
     if args.decode_max_running_requests:
         decode += ["--max-running-requests", str(args.decode_max_running_requests)]
+    if args.hicache_ratio:
+        prefill += ["--enable-hierarchical-cache", "--hicache-ratio", str(args.hicache_ratio),
+                    "--hicache-write-policy", "write_through"]
     return prefill, decode
 
 
@@ -400,6 +412,9 @@ def run_phase(name: str, args, work: Path) -> Dict:
                                                         args.idle_wait if args.idle_wait is not None else IDLE_WAIT_S)
             if not phase.kill_rank:
                 record["pages_sent"] = pages_sent_by_rank(prometheus_samples(ports["prefill"], PAGES_SENT_METRIC))
+                if args.hicache_ratio:
+                    record["hicache_pages"] = samples_by_rank(
+                        prometheus_samples(ports["prefill"], HICACHE_PAGES_METRIC))
         record["alive_after_load"] = pair.alive()
         if not phase.kill_rank:
             record["one_at_a_time"] = one_at_a_time(pair, name, args, plan, load, record["bound_s"])
@@ -518,10 +533,12 @@ def aborts_end_right(record) -> Dict:
 
 def radix_hits_and_evictions(record, args) -> Dict:
     """Prefix requests the prefill answered: cached tokens found (hits), and misses of a prefix
-    another request had cached (finished on the prefill) before this one was posted."""
+    another request had cached (finished on the prefill) before this one was posted. With
+    HiCache an evicted prefix comes back from host memory: a hit with host tokens in
+    ``cached_tokens_details`` (``host_hits``) stands for an eviction."""
     shape = shape_of(args)
     cached_by: Dict[int, float] = {}  # prefix -> the earliest time a request with it finished on the prefill
-    hits = misses = cold = 0
+    hits = misses = cold = host_hits = 0
     prefix_requests = sorted((r for r in record["load"]["requests"] if r["kind"] == "prefix"),
                              key=lambda r: r["posted_at_s"])
     for r in prefix_requests:
@@ -530,13 +547,25 @@ def radix_hits_and_evictions(record, args) -> Dict:
             cached = prefill.get("cached_tokens") or 0
             if cached >= shape.prefix_tokens(r["prefix"]):
                 hits += 1
+                host_hits += bool((prefill.get("cached_tokens_details") or {}).get("host"))
             elif r["prefix"] in cached_by and cached_by[r["prefix"]] <= r["posted_at_s"]:
                 misses += 1
             else:
                 cold += 1
             done = r["posted_at_s"] + prefill["elapsed_s"]
             cached_by[r["prefix"]] = min(cached_by.get(r["prefix"], math.inf), done)
-    return {"pass": hits > 0 and misses > 0, "hits": hits, "evicted_misses": misses, "cold_misses": cold}
+    evicted = misses + host_hits if args.hicache_ratio else misses
+    return {"pass": hits > 0 and evicted > 0, "hits": hits, "host_hits": host_hits, "evicted_misses": misses,
+            "cold_misses": cold}
+
+
+def every_rank_used_the_host_tier(record, cp_size) -> Dict:
+    """Every CP rank backed pages up to host memory and loaded pages back during the load."""
+    # NOTE: a phase's record comes back from its JSON file: rank keys are strings there
+    pages = {int(rank): v for rank, v in (record.get("hicache_pages") or {}).items()}
+    short = [r for r in range(cp_size)
+             if not (pages.get(r, {}).get("backed_up", 0) > 0 and pages.get(r, {}).get("loaded_back", 0) > 0)]
+    return {"pass": bool(pages) and not short, "pages_by_rank": pages, "ranks_short": short}
 
 
 def no_leaked_page(record, sides: Dict[str, int]) -> Dict:
@@ -701,6 +730,9 @@ def phase_checks(name, record, args, phases) -> Dict[str, Dict]:
         checks[f"{name}: no page leaked on any prefill rank or on decode"] = no_leaked_page(
             record, {"prefill": args.cp_size, "decode": 1})
         checks[f"{name}: every CP rank sent KV and index pages"] = every_rank_sent(record, args.cp_size)
+        if args.hicache_ratio:
+            checks[f"{name}: every CP rank backed pages up to host memory and loaded pages back"] = (
+                every_rank_used_the_host_tier(record, args.cp_size))
     else:  # stock: no audit (the flag's); SGLang's own check's lines, recorded
         checks[f"{name}: SGLang's idle check logged no leak"] = {
             "pass": not any((record.get("leak_lines", {}).get(s) or {}).get("count") for s in ("prefill", "decode")),
@@ -756,6 +788,8 @@ def main() -> int:
                     help=f"how long to wait for every scheduler's idle audit after the load (default {IDLE_WAIT_S} s)")
     ap.add_argument("--decode-max-running-requests", type=int, default=None,
                     help="decode's --max-running-requests (default SGLang's)")
+    ap.add_argument("--hicache-ratio", type=float, default=None,
+                    help="the prefill with HiCache's host tier, R x a rank's device pool (PD with host hits)")
     args = ap.parse_args()
     if args.cp_size not in v0512.RELEASE.served_cp_sizes:  # the flag needs prefill CP; the plugin refuses other sizes
         ap.error(f"--cp-size {args.cp_size}: choose one of {v0512.RELEASE.served_cp_sizes} (releases/v0512.py: served_cp_sizes)")
@@ -763,11 +797,14 @@ def main() -> int:
     unknown = sorted(set(selected) - set(PHASES))
     if unknown:
         ap.error(f"phases {unknown}: choose from {list(PHASES)}")
+    if args.hicache_ratio is not None and args.hicache_ratio <= 1:  # NOTE: SGLang refuses a host pool <= the device's
+        ap.error(f"--hicache-ratio {args.hicache_ratio}: more than 1 (the host tier holds more than the device pool)")
     if not 0 <= args.kill_rank < args.cp_size:
         ap.error(f"--kill-rank {args.kill_rank}: a CP rank of {args.cp_size}")
     args.kill_after = args.kill_after if args.kill_after is not None else max(1, args.fault_requests // 3)
     args.tag = (f"cp{args.cp_size}.{args.kv_cache_dtype}.seed{args.seed}.n{args.requests}.pool{args.pool}"
-                + (".stock-topk" if args.stock_topk else "") + (".share-gpu" if args.share_gpu else ""))
+                + (".stock-topk" if args.stock_topk else "") + (".share-gpu" if args.share_gpu else "")
+                + (f".hicache{args.hicache_ratio:g}" if args.hicache_ratio else ""))
     work = Path(args.workdir)
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)
@@ -778,7 +815,8 @@ def main() -> int:
     report = {"cp_size": args.cp_size, "kv_cache_dtype": args.kv_cache_dtype, "seed": args.seed,
               "requests": args.requests, "clients": args.clients, "prefill_pool_per_rank": args.pool,
               "decode_pool": decode_pool_for(args.cp_size, args.pool), "chunk": CHUNK,
-              "stable_topk": not args.stock_topk, "share_gpu": args.share_gpu, "phases": sorted(phases),
+              "stable_topk": not args.stock_topk, "share_gpu": args.share_gpu, "hicache_ratio": args.hicache_ratio,
+              "phases": sorted(phases),
               "failed_phases": failed, "checks": judged, "stock": stock,
               "plan": plan_summary(plan_load(args.seed, args.requests, shape_of(args))),
               "boot_s": {name: r.get("boot_s") for name, r in phases.items()},

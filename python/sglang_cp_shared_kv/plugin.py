@@ -164,7 +164,7 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
 def _hooks_v0523() -> Tuple[HookSpec, ...]:
     """SGLang 0.5.23: the settings layer (:mod:`.settings.server_args_v0523`), the
     pool and capacity (:mod:`.pool.capacity_v0523`), the forward path under interleave CP
-    (:mod:`.forward.hooks_v0523`), HiCache's host tier (:mod:`.hicache.hooks_v0523`), the decode
+    (:mod:`.forward.hooks_v0523`), HiCache's host and storage tiers (:mod:`.hicache.hooks_v0523`), the decode
     server (:mod:`.decode.server_v0523`) and the PD
     transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_v0523` where 0.5.23 changed the
     target's shape)."""
@@ -200,6 +200,9 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_HOST_POOLS}.attach_hybrid_pool_to_unified_cache", hicache.mark_controller_sharded, "after"),
         HookSpec(f"{_HYBRID_CONTROLLER}.allocate_host_transfers", lane_hooks.backup_in_owner_lanes, "around"),
         HookSpec(f"{_HYBRID_CONTROLLER}.load", lane_hooks.load_back_in_host_lanes, "around"),
+        # --- HiCache's storage tier (L3): each rank stores and fetches its own pages (stock agrees
+        # the hit, the fetched count and every host page's release on the scheduler thread)
+        HookSpec(f"{_HYBRID_CONTROLLER}.attach_storage_backend", hicache.shard_storage_backend, "after"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",

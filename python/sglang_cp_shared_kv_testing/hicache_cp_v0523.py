@@ -216,29 +216,26 @@ def _settle(cache, done, what: str) -> int:
     raise TimeoutError(f"{what}: not done after {MAX_STEPS} scheduler steps")
 
 
-def round_trip(cache, request: HiCacheRequest, access, locs=None) -> dict:
-    """Place the request's content, insert it (write-through backs it up), settle the backup,
-    evict it from the device, poison the freed rows, match (a host hit), load it back (the
-    scheduler's ``init_load_back``, ``ready_to_load_host_cache``, steps until acked), read."""
-    from sglang.srt.mem_cache.base_prefix_cache import (
-        EvictParams,
-        InitLoadBackParams,
-        InsertParams,
-        MatchPrefixParams,
-    )
+def place_and_insert(cache, request: HiCacheRequest, access, locs=None):
+    """Place the request's content (at ``locs``, or new device locations) and insert it into the
+    tree (write-through then backs it up); (its radix key, its device locations)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
-    pool = cache.token_to_kv_pool_allocator.get_kvcache()
-    tokens = len(request.token_ids)
     key = RadixKey(token_ids=array("q", request.token_ids))
     if locs is None:
-        locs = cache.token_to_kv_pool_allocator.alloc(tokens)
-    access.write(pool, locs, request.content)
+        locs = cache.token_to_kv_pool_allocator.alloc(len(request.token_ids))
+    access.write(cache.token_to_kv_pool_allocator.get_kvcache(), locs, request.content)
     cache.insert(InsertParams(key=key, value=locs))
-    backup_steps = _settle(cache, lambda: not cache.ongoing_write_through, "the backup")
-    evicted = cache.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
-    access.write(pool, locs, seeded_bytes(pool, tokens, 0xBAD))
-    match = cache.match_prefix(MatchPrefixParams(key=key))
+    return key, locs
+
+
+def load_back(cache, match, settle=None):
+    """Load ``match``'s host hit back as the scheduler does (``init_load_back``,
+    ``ready_to_load_host_cache``, steps until acked); (tokens loaded, the device locations the
+    load-back took, the steps). ``settle(cache, done, what)``: the step loop (default the rig's)."""
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
     req = types.SimpleNamespace(rid="req", last_node=match.last_device_node, swa_host_hit_length=0,
                                 mamba_host_hit_length=0, kv=types.SimpleNamespace(mamba_pool_idx=None))
     loaded, _node = cache.init_load_back(InitLoadBackParams(best_match_node=match.best_match_node,
@@ -247,7 +244,24 @@ def round_trip(cache, request: HiCacheRequest, access, locs=None) -> dict:
     new_locs = cache.tree_core.collect_full_device_indices(match.best_match_node, match.last_device_node)
     new_locs = torch.as_tensor(new_locs).to(torch.int64).cpu()
     cache.ready_to_load_host_cache()
-    load_steps = _settle(cache, lambda: not cache.ongoing_load_back, "the load-back")
+    steps = (settle or _settle)(cache, lambda: not cache.ongoing_load_back, "the load-back")
+    return loaded, new_locs, steps
+
+
+def round_trip(cache, request: HiCacheRequest, access, locs=None) -> dict:
+    """Place the request's content, insert it (write-through backs it up), settle the backup,
+    evict it from the device, poison the freed rows, match (a host hit), load it back (the
+    scheduler's ``init_load_back``, ``ready_to_load_host_cache``, steps until acked), read."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+
+    pool = cache.token_to_kv_pool_allocator.get_kvcache()
+    tokens = len(request.token_ids)
+    key, locs = place_and_insert(cache, request, access, locs)
+    backup_steps = _settle(cache, lambda: not cache.ongoing_write_through, "the backup")
+    evicted = cache.evict(EvictParams(num_tokens=tokens)).num_tokens_evicted
+    access.write(pool, locs, seeded_bytes(pool, tokens, 0xBAD))
+    match = cache.match_prefix(MatchPrefixParams(key=key))
+    loaded, new_locs, load_steps = load_back(cache, match)
     after = cache.match_prefix(MatchPrefixParams(key=key))
     return {"old_locs": locs, "new_locs": new_locs, "evicted": evicted, "host_hit_length": match.host_hit_length,
             "loaded": loaded, "device_hit_after_load": after.device_prefix_len, "steps": (backup_steps, load_steps),
@@ -408,5 +422,5 @@ def run_hicache_group(n: int, model_dir: str, cases=CASES + (PRESSURE, CONTROL),
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "CONTROL", "PRESSURE", "fill_host", "HiCacheCase", "hicache_on_cpu", "run_hicache_group", "round_trip", "build_cache",
+__all__ = ["CASES", "CONTROL", "PRESSURE", "fill_host", "load_back", "place_and_insert", "HiCacheCase", "hicache_on_cpu", "run_hicache_group", "round_trip", "build_cache",
            "shared_pool", "stock_pool"]

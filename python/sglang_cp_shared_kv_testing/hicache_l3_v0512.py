@@ -12,12 +12,16 @@ which keys the store holds).
 Cases (:data:`CASES`): the round trip in bf16 and in fp8, flag off (``stock``) and on; a page
 object lost from the store before the prefetch (the group's hit ends before it, on every rank);
 a fetch that fails on one rank only (the group inserts the pages before it); a prefetch started
-twice under one request id (the one SGLang forgets is freed too); a prefetch of what
-a group of another CP size stored (``fetch_only``: a clean miss).
+twice under one request id (the one SGLang forgets is freed too). Besides (:data:`OTHER_CP_SIZE`,
+:data:`SIZE_BLIND_CONTROL`; the 0.5.23 rig runs the first too): the round trip, then,
+inside the storing group while its objects are in the store, the request prefetched again under
+the keys of a group of N + 1 (a clean miss); and the same under keys that do not name the CP
+size (it hits: the negative control).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 import traceback
@@ -26,12 +30,16 @@ from typing import Dict, List, Optional
 
 import torch
 
+from sglang_cp_shared_kv.scoped import attributes_set
+
 from sglang_cp_shared_kv_testing.cp_harness import finish_rank
 from sglang_cp_shared_kv_testing.hicache_cp_v0512 import ShardedAccess, shared_pool
+from sglang_cp_shared_kv_testing.hicache_l3_checks import SizeBlindKeys, lookup_as_other_cp_size
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     PAGE,
     STOCK_ACCESS,
     HiCacheRequest,
+    HiCacheScenario,
     build_hicache,
     hicache_on_cpu,
     host_pools,
@@ -53,13 +61,17 @@ class StorageCase:
     dtype_name: str = "bf16"
     flag: bool = True
     pages: int = 6
-    store: bool = True  #: False: only prefetch (what another group stored under ``seed``)
     lose_page: Optional[int] = None  #: this page's MLA object removed from the store before the prefetch
     #: (rank, page): that rank's fetches of its pages from that page on fail
     fail_fetch: Optional[tuple] = None
     physical_pages: int = 8
     #: the prefetch started twice under one request id (SGLang forgets the first)
     prefetch_twice: bool = False
+    #: then the request prefetched again under the keys of a group of N + 1, inside this group
+    #: (:func:`.hicache_l3_checks.lookup_as_other_cp_size`: report ``other_size``)
+    other_cp_size: bool = False
+    #: every key of the case names no CP size (:class:`.hicache_l3_checks.SizeBlindKeys`)
+    size_blind_keys: bool = False
 
 
 CASES = (
@@ -73,9 +85,34 @@ CASES = (
 )
 
 
-def fetch_only(seed: int) -> StorageCase:
-    """A prefetch of what another group stored under ``seed`` (nothing stored by this group)."""
-    return StorageCase(f"fetch_only_{seed}", seed=seed, store=False)
+#: the round trip, then the request prefetched again under the keys of a group of N + 1 while the
+#: objects this group stored are still in the store: a clean miss (a group's objects live in the
+#: store segments its own clients mount, so a group started after this one exits finds none anyway)
+OTHER_CP_SIZE = StorageCase("other_cp_size_misses", seed=108, other_cp_size=True)
+#: the negative control of OTHER_CP_SIZE: the same under keys that do not name the CP size, which hits
+SIZE_BLIND_CONTROL = StorageCase("size_blind_keys_control", seed=109, other_cp_size=True, size_blind_keys=True)
+
+
+@contextlib.contextmanager
+def failing_fetches(case: StorageCase, rank: int, storage, hashes_seen: List[str]):
+    """Within the block, on the rank ``case.fail_fetch`` names, the backend's KV fetches of the
+    pages from ``case.fail_fetch[1]`` on (of ``hashes_seen``, filled before the prefetch) fail."""
+    if case.fail_fetch is None or case.fail_fetch[0] != rank:
+        yield
+        return
+    backend = storage.backend
+    original = backend.batch_get_v1
+
+    def failing_get(keys, host_indices, extra_info=None):
+        got = original(keys, host_indices, extra_info)
+        failing = set(storage.keys(hashes_seen[case.fail_fetch[1]:]))
+        return [ok and key not in failing for key, ok in zip(keys, got)]
+
+    backend.batch_get_v1 = failing_get
+    try:
+        yield
+    finally:
+        del backend.batch_get_v1
 
 
 def _keys(hashes: List[str], suffix: str) -> List[str]:
@@ -111,17 +148,6 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
 
     hashes_seen: List[str] = []
     prefetch_lanes: List[int] = []
-    patched = None
-    if case.fail_fetch is not None and case.fail_fetch[0] == rank:
-        backend, original = storage.backend, storage.backend.batch_get_v1
-
-        def failing_get(keys, host_indices, extra_info=None):
-            got = original(keys, host_indices, extra_info)
-            failing = set(storage.keys(hashes_seen[case.fail_fetch[1]:]))
-            return [ok and key not in failing for key, ok in zip(keys, got)]
-
-        patched = backend
-        backend.batch_get_v1 = failing_get
 
     def before_prefetch(hashes):
         hashes_seen.extend(hashes)
@@ -131,21 +157,31 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
 
     pages = getattr(kv_host, "prefetch_pages", None)
     released = (lambda: len(pages) == 0) if pages is not None else (lambda: True)
+
+    def prefetch_again():  # the request out of device and host memory, then prefetched again
+        scenario = HiCacheScenario(cache, access)
+        scenario.evict(len(request.token_ids))
+        cache.evict_host(len(request.token_ids))
+        return storage_round_trip(cache, request, access=access, req_id=f"{case.name}-again", store=False,
+                                  released=released)
+
     copied_before = dict(getattr(kv_host, "pages_copied", {}))
-    try:
-        trip = storage_round_trip(cache, request, access=access,
-                                  req_id=f"{case.name}-req", store=case.store, before_prefetch=before_prefetch,
-                                  released=released, prefetches=2 if case.prefetch_twice else 1)
-    finally:
-        if patched is not None:
-            del patched.batch_get_v1
-    hashes = trip.stored_hashes
+    with contextlib.ExitStack() as stack:
+        if case.size_blind_keys:
+            stack.enter_context(attributes_set(storage, keys=SizeBlindKeys(n)))
+        with failing_fetches(case, rank, storage, hashes_seen):
+            trip = storage_round_trip(cache, request, access=access, req_id=f"{case.name}-req",
+                                      before_prefetch=before_prefetch, released=released,
+                                      prefetches=2 if case.prefetch_twice else 1)
+        copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
+        hashes = trip.stored_hashes
+        other_size = (lookup_as_other_cp_size(storage, n, hashes, kv_host, prefetch_again)
+                      if case.other_cp_size else None)
     stored = {}
     if hashes:
         for what, suffix_ in (("mla", MLA_KEY_SUFFIX), ("index", INDEX_KEY_SUFFIX)):
             stored[f"{what}_ours"] = store.batch_is_exist(_keys([h + f"@cp{n}" for h in hashes], suffix_))
             stored[f"{what}_stock"] = store.batch_is_exist(_keys(hashes, suffix_))
-    copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
     cache.detach_storage_backend()
     host_after_detach = [kv_host.available_size() + host_tokens_in_tree(cache), kv_host.size]
     return {
@@ -156,8 +192,8 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
         "new_locs": trip.new_locs.tolist(), "host_tokens": list(trip.host_tokens),
         "steps": trip.steps, "stored": {k: [int(x) for x in v] for k, v in stored.items()},
         "pages_copied": copied, "backup_skip": bool(controller.backup_skip),
-        "sharded": type(storage).__name__ == "ShardedStorage",
-        "host_tokens_after_detach": host_after_detach, "prefetch_lanes": prefetch_lanes,
+        "sharded": type(storage).__name__ == "PrefetchLaneStorage",
+        "host_tokens_after_detach": host_after_detach, "prefetch_lanes": prefetch_lanes, "other_size": other_size,
     }
 
 
@@ -180,7 +216,8 @@ def _rank_main(rank, n, port, out_dir, cases, extra):
     finish_rank(out_dir, rank, result)
 
 
-def run_storage_group(n: int, extra: dict, cases=CASES, *, timeout_s: float = 300.0) -> List[Dict[str, dict]]:
+def run_storage_group(n: int, extra: dict, cases=CASES + (OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
+                      timeout_s: float = 300.0) -> List[Dict[str, dict]]:
     """Each rank's outcome of every case (module docstring), indexed [rank][case name];
     ``extra``: the Mooncake backend configuration (:meth:`.mooncake_master.MooncakeMaster.extra_config`)."""
     import torch.multiprocessing as mp
@@ -192,4 +229,4 @@ def run_storage_group(n: int, extra: dict, cases=CASES, *, timeout_s: float = 30
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "StorageCase", "fetch_only", "run_storage_group"]
+__all__ = ["CASES", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL", "StorageCase", "failing_fetches", "run_storage_group"]

@@ -29,7 +29,7 @@ import time
 from typing import Dict, NamedTuple, Optional
 
 from sglang_cp_shared_kv_testing import shared_gpu
-from sglang_cp_shared_kv_testing.server import e2e_env, prometheus_labels
+from sglang_cp_shared_kv_testing.server import e2e_env, samples_by_rank
 
 #: tokens decode generates for every request (greedy, ``ignore_eos``, with their logprobs)
 NEW_TOKENS = 8
@@ -218,6 +218,8 @@ def generate_pd(ports, ids, room, timeout=150, rid=None, meanwhile=None, *, new_
     if prefill.get("status") == "ok":  # what the prefill found in its radix cache
         meta = (prefill["response"] or {}).get("meta_info") or {}
         prefill["cached_tokens"] = meta.get("cached_tokens")
+        if meta.get("cached_tokens_details"):  # (HiCache: the tokens found in device memory, host memory, storage)
+            prefill["cached_tokens_details"] = meta["cached_tokens_details"]
         finish = meta.get("finish_reason") or {}
         if isinstance(finish, dict) and finish.get("type") == "abort":
             prefill.update(status="aborted", error=finish.get("message"))
@@ -260,11 +262,7 @@ def refused_at_once(answer, naming=None, at_once_s: float = AT_ONCE_S):
 def pages_sent_by_rank(samples):
     """{cp rank: {"kv": pages, "state": pages}} from the plugin's
     ``sglang:cp_shared_kv_transfer_pages_total`` samples (:func:`.server.prometheus_samples`)."""
-    ranks = {}
-    for labels, value in samples.items():
-        fields = prometheus_labels(labels)
-        ranks.setdefault(int(fields["cp_rank"]), {})[fields["kind"]] = int(value)
-    return dict(sorted(ranks.items()))
+    return samples_by_rank(samples, "kind")
 
 
 #: the plugin's count of pages each prefill CP rank sent (labels cp_rank, kind=kv|state)

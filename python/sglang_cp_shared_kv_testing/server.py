@@ -112,6 +112,16 @@ def prometheus_labels(labels: str) -> Dict[str, str]:
     return {key: value.strip('"') for key, value in (part.split("=", 1) for part in labels.strip("{}").split(","))}
 
 
+def samples_by_rank(samples: Dict[str, float], field_label: str) -> Dict[int, Dict[str, int]]:
+    """``{cp rank: {value of field_label: count}}`` of a per-CP-rank counter's samples (a result
+    of :func:`prometheus_samples`), e.g. ``field_label="direction"`` of the HiCache pages."""
+    ranks: Dict[int, Dict[str, int]] = {}
+    for labels, value in samples.items():
+        fields = prometheus_labels(labels)
+        ranks.setdefault(int(fields["cp_rank"]), {})[fields[field_label]] = int(value)
+    return dict(sorted(ranks.items()))
+
+
 def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_path: Path,
                  boot_timeout: float) -> subprocess.Popen:
     """Start ``cmd`` (logging to ``log_path``) and wait until ``/health`` on ``port``
@@ -253,5 +263,5 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 
 __all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "flush_cache", "prometheus_samples",
-           "prometheus_labels", "start_server", "stop", "startup_figures", "stable_topk_problem",
+           "prometheus_labels", "samples_by_rank", "start_server", "stop", "startup_figures", "stable_topk_problem",
            "CORRUPTING_SENDS_LINE", "STALLED_WRITE_LINE", "accumulate_runs", "write_report"]

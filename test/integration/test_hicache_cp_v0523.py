@@ -3,7 +3,9 @@
 rank backs up to host memory and loads back only its own pages, and the bytes a forward's dense
 view reads after the load (assembled from the owners) equal a stock (flag off, replicated)
 HiCache run's, byte for byte, bf16 and fp8 (``sglang_cp_shared_kv_testing.hicache_cp_v0523``).
-Also: the flag's settings on 0.5.23 (L2 served, a storage tier refused naming the fix)."""
+Also: the flag's settings on 0.5.23 (L2 served; the Mooncake storage tier, L3, served with or
+without a key tag, another storage backend refused naming the fix; the storage tier itself:
+``test_hicache_l3_v0523.py``)."""
 
 import pytest
 
@@ -51,7 +53,7 @@ def test_every_rank_decides_the_same_locations_and_copies_only_its_pages(group_r
             assert sorted(copied["backed_up"]) == sorted(copied["loaded_back"]), (rank, pool)
         # the pool's own count and, with --enable-metrics, the Prometheus counter say the same
         own = {"backed_up": case["own_pages"], "loaded_back": case["own_pages"]}
-        assert case["pages_copied"] == own and case["metric_pages"] == own, rank
+        assert case["pages_copied"] == {**own, "stored": 0, "fetched": 0} and case["metric_pages"] == own, rank
         assert case["physical_host_pages_in_own_lane"]
         assert case["foreign_host_rows_untouched"], f"rank {rank} wrote host rows it does not hold"
 
@@ -129,14 +131,22 @@ def test_hicache_in_host_memory_is_served_on_0523(hopper, tiny_nsa_model, layout
     server_args.check_server_args()  # no problem
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "file"])
-def test_a_storage_tier_is_refused_on_0523_naming_the_setting_and_the_fix(hopper, tiny_nsa_model, backend):
+@pytest.mark.parametrize("tag", [None, "tenant-a"])
+def test_the_mooncake_storage_tier_is_served_on_0523_with_or_without_a_key_tag(hopper, tiny_nsa_model, tag):
+    extra = ["--hicache-storage-backend-extra-config", f'{{"extra_backend_tag": "{tag}"}}'] if tag else []
+    server_args = _args(tiny_nsa_model, "--enable-hierarchical-cache", "--hicache-io-backend", "direct",
+                        "--hicache-storage-backend", "mooncake", *extra)
+    server_args.resolve_once()
+    server_args.check_server_args()  # no problem (0.5.23 tags every key once)
+
+
+def test_another_storage_backend_is_refused_on_0523_naming_the_setting_and_the_fix(hopper, tiny_nsa_model):
     from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError
 
-    server_args = _args(tiny_nsa_model, "--enable-hierarchical-cache", "--hicache-storage-backend", backend)
+    server_args = _args(tiny_nsa_model, "--enable-hierarchical-cache", "--hicache-storage-backend", "file")
     server_args.resolve_once()
     with pytest.raises(CpSharedKVConfigError) as exc:
         server_args.check_server_args()
     message = str(exc.value)
-    assert f"--hicache-storage-backend {backend}: the sharded HiCache storage tier (L3) is not built for SGLang 0.5.23" \
-        in message and "remove --hicache-storage-backend" in message and message.count("\n  - ") == 1
+    assert "--hicache-storage-backend file: the sharded HiCache storage tier serves mooncake" in message
+    assert "use --hicache-storage-backend mooncake" in message and message.count("\n  - ") == 1

@@ -75,6 +75,17 @@ def test_the_entry_point_module_touches_no_sglang_symbol_before_the_release_is_k
         assert f"sglang_cp_shared_kv.{module}'" not in out.stdout
 
 
+_HYBRID = "sglang.srt.mem_cache.hybrid_cache"
+#: HiCache's hooks on 0.5.23: the host tier (L2) and, where built, the storage tier (L3)
+HICACHE_HOOKS_V0523 = (
+    (f"{_HYBRID}.hybrid_pool_assembler.build_kv_host_pool", "around"),
+    (f"{_HYBRID}.hybrid_pool_assembler.attach_hybrid_pool_to_unified_cache", "after"),
+    (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.allocate_host_transfers", "around"),
+    (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.load", "around"),
+    (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.attach_storage_backend", "after"),
+)
+
+
 def test_on_0523_the_table_holds_every_concern():
     """0.5.23 is served: the flag parses (under its DSA-era alias too), rides into the
     scheduler processes and is validated in 0.5.23's terms; the pool and capacity hooks, the
@@ -88,6 +99,8 @@ def test_on_0523_the_table_holds_every_concern():
     from sglang_cp_shared_kv.settings import server_args_v0523 as server_args_dsa
     from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.forward import hooks_v0523 as forward_dsa
+    from sglang_cp_shared_kv.hicache import hooks_v0523 as hicache_dsa
+    from sglang_cp_shared_kv.hicache import lane_hooks
     from sglang_cp_shared_kv.hook_check import RESOLUTION
     from sglang_cp_shared_kv.transfer import hooks as transfer
     from sglang_cp_shared_kv.transfer import hooks_v0523 as transfer_dsa
@@ -98,7 +111,9 @@ def test_on_0523_the_table_holds_every_concern():
                                                          forward_dsa.__name__, decode_server_dsa.__name__,
                                                          metrics.__name__,
                                                          forward.__name__,  # the agreement point: both releases
-                                                         transfer.__name__, transfer_dsa.__name__}
+                                                         transfer.__name__, transfer_dsa.__name__,
+                                                         # HiCache's host tier (the lane hooks: both releases)
+                                                         hicache_dsa.__name__, lane_hooks.__name__}
     backend = "sglang.srt.layers.attention.dsa_backend.DeepseekSparseAttnBackend"
     indexer = "sglang.srt.layers.attention.dsa.dsa_indexer.Indexer"
     configurator = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
@@ -127,5 +142,6 @@ def test_on_0523_the_table_holds_every_concern():
             "add_transfer_request", "_transfer_data", "_should_skip_cp_replicated_state_transfer",
             "maybe_send_extra", "send_aux", "update_status", "conclude_transfer", "_handle_aux_data")),
         ("sglang.srt.disaggregation.common.conn.CommonKVSender.abort", "around"),
-        (f"{mooncake}.MooncakeKVReceiver.failure_exception", "around")}
+        (f"{mooncake}.MooncakeKVReceiver.failure_exception", "around"),
+        *HICACHE_HOOKS_V0523}
     assert v0523.RELEASE.symbols is not sg.SYMBOLS  # 0.5.12.post1's here

@@ -106,24 +106,31 @@ def test_latency_summary():
 
 # ------------------------------------------------------------------ the servers it starts
 def _args(soak, cp_size=4, dtype="bfloat16", share_gpu=True, **extra):
+    extra.setdefault("hicache_ratio", None)
     return argparse.Namespace(model=Path("/models/tiny"), kv_cache_dtype=dtype, cp_size=cp_size, stock_topk=False,
                               share_gpu=share_gpu, port=33000, pool=soak.POOL, decode_max_running_requests=None,
                               **extra)
 
 
-@pytest.mark.parametrize("phase,dtype", [("on", "bfloat16"), ("off", "fp8_e4m3"), ("fault", "bfloat16")])
-def test_server_commands_parse_with_sglangs_parser(soak, plugin_loaded, phase, dtype):
+@pytest.mark.parametrize("phase,dtype,hicache_ratio", [("on", "bfloat16", None), ("off", "fp8_e4m3", None),
+                                                       ("fault", "bfloat16", None), ("on", "fp8_e4m3", 2.0),
+                                                       ("off", "bfloat16", 2.0)])
+def test_server_commands_parse_with_sglangs_parser(soak, plugin_loaded, phase, dtype, hicache_ratio):
     from sglang.srt.server_args import ServerArgs
 
     from sglang_cp_shared_kv_testing import shared_gpu
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)  # with the plugin's hooks applied: it adds the flag
-    args = _args(soak, dtype=dtype)
+    args = _args(soak, dtype=dtype, hicache_ratio=hicache_ratio)
     ports = soak.phase_ports(args, phase)
     prefill, decode = soak.server_commands(args, phase, ports)
     p = parser.parse_args(prefill[prefill.index("sglang.launch_server") + 1:])
     d = parser.parse_args(decode[decode.index("sglang.launch_server") + 1:])
+    # --hicache-ratio: the prefill's host tier (write-through: a prefix is backed up as it is cached)
+    assert p.enable_hierarchical_cache == bool(hicache_ratio) and not d.enable_hierarchical_cache
+    if hicache_ratio:
+        assert p.hicache_ratio == hicache_ratio and p.hicache_write_policy == "write_through"
     assert (p.disaggregation_mode, d.disaggregation_mode) == ("prefill", "decode")
     assert p.max_total_tokens == soak.POOL and d.max_total_tokens == soak.decode_pool_for(4, soak.POOL) == 3584
     assert p.chunked_prefill_size == soak.CHUNK and p.tensor_parallel_size == 4 and d.tensor_parallel_size == 1
@@ -153,7 +160,8 @@ def test_the_soak_refuses_bad_arguments(tmp_path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "soak_pd.py"
     for argv, message in ((["--cp-size", "1"], "choose one of (2, 4, 8)"), (["--cp-size", "3"], "choose one of"),
                           (["--phases", "on,bogus"], "phases ['bogus']"),
-                          (["--kill-rank", "4"], "a CP rank of 4")):
+                          (["--kill-rank", "4"], "a CP rank of 4"),
+                          (["--hicache-ratio", "1"], "more than 1")):
         proc = subprocess.run([sys.executable, str(script), *argv, "--workdir", str(tmp_path)], capture_output=True,
                               text=True, timeout=180)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-500:]
@@ -284,6 +292,25 @@ def test_the_idle_audit_finds_the_page_sglangs_check_counts_and_names_its_rank()
     owner = (int(lost[0]) // PAGE - 1) % 4
     assert leaked["rank_leaked_pages"] == (owner == 1)
     assert idle_pool_audit.leak_found(leaked)
+
+
+def test_a_node_evicted_to_host_memory_holds_no_device_page():
+    """HiCache keeps a node whose KV it evicted to host memory with no device value (as
+    ``HiRadixCache._evict_backuped`` leaves it): the audit walks past it, its pages free."""
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0512 as idle_pool_audit
+
+    s = _scheduler(cp_size=6, rank=5, pages_per_rank=4)  # (rank 5: published by no other test)
+    _cache(s, 2)
+    _cache(s, 3, start=10_000)
+    node = next(n for n in s.tree_cache.root_node.children.values() if len(n.value) == 3 * PAGE)
+    # what HiRadixCache does on a device eviction of a backed-up node
+    s.token_to_kv_pool_allocator.free(node.value)
+    s.tree_cache.evictable_size_ -= len(node.value)
+    node.value = None
+    has_leak, _ = _check(s)
+    record = _published(5)
+    assert not has_leak and not idle_pool_audit.leak_found(record)
+    assert (record["pages"], record["cached_pages"], record["free_pages"], record["leaked_pages"]) == (24, 2, 22, 0)
 
 
 def test_a_double_free_a_count_can_hide_is_caught_page_by_page():
@@ -857,6 +884,32 @@ def test_verdict_parts_fail_on_what_they_are_for(soak):
     assert not soak.no_leaked_page({}, {"decode": 1})["pass"]  # no audit read: no pass
     assert not soak.every_rank_sent({"pages_sent": {"0": {"kv": 3, "state": 1}, "1": {"kv": 3, "state": 0}}}, 2)["pass"]
     assert not soak.no_answer_from_missing_kv({"load": {"requests": []}}, None)["pass"]
+
+
+def test_with_hicache_a_host_hit_stands_for_an_eviction_and_every_rank_must_use_the_host_tier(soak):
+    """--hicache-ratio: a prefix evicted from the device comes back from host memory (a hit with
+    host tokens), which the radix check counts as the eviction it is; the host-tier check wants
+    every CP rank to have backed pages up and loaded pages back (Prometheus, read from JSON)."""
+    shape_args = argparse.Namespace(cp_size=2, pool=soak.POOL, abort_window=3.0, hicache_ratio=2.0)
+    prefix = soak.shape_of(shape_args).prefix_tokens(0)
+
+    def prefix_request(index, cached, host=0, at=0.0):
+        details = {"device": cached - host, "host": host} if host else None
+        return {"index": index, "kind": "prefix", "prefix": 0, "action": "none", "posted_at_s": at,
+                "prefill": {"status": "ok", "elapsed_s": 0.1, "cached_tokens": cached,
+                            "cached_tokens_details": details}}
+
+    requests = [prefix_request(0, 0), prefix_request(1, prefix, at=1.0), prefix_request(2, prefix, host=prefix, at=2.0)]
+    radix = soak.radix_hits_and_evictions({"load": {"requests": requests}}, shape_args)
+    assert radix["pass"] and (radix["hits"], radix["host_hits"], radix["evicted_misses"]) == (2, 1, 0)
+    without_host_tier = argparse.Namespace(**{**vars(shape_args), "hicache_ratio": None})
+    assert not soak.radix_hits_and_evictions({"load": {"requests": requests}}, without_host_tier)["pass"]
+    assert not soak.radix_hits_and_evictions({"load": {"requests": requests[:2]}}, shape_args)["pass"]
+    used = {"0": {"backed_up": 5, "loaded_back": 2}, "1": {"backed_up": 4, "loaded_back": 2}}
+    assert soak.every_rank_used_the_host_tier({"hicache_pages": used}, 2)["pass"]
+    short = soak.every_rank_used_the_host_tier({"hicache_pages": {**used, "1": {"backed_up": 4}}}, 2)
+    assert not short["pass"] and short["ranks_short"] == [1]
+    assert not soak.every_rank_used_the_host_tier({}, 2)["pass"]  # nothing read: no pass
 
 
 def test_e2e_pd_gpu_keeps_its_names_after_the_move(soak):

@@ -6,7 +6,8 @@ import threading
 
 import torch
 
-from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages, ShardKeys
+from sglang_cp_shared_kv.hicache.storage import ShardKeys
+from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages
 
 
 def _pages(first_page, count, page=64):

@@ -20,7 +20,7 @@ Each passes straight through unless the device pool is the shared-KV pool (flag 
 With a storage tier (L3, :mod:`.storage_v0512`):
 
 * ``HybridCacheController.attach_storage_backend`` AFTER: the backend behind
-  :class:`~.storage_v0512.ShardedStorage` (own pages, physical rows, keys naming the CP size),
+  :class:`~.storage_v0512.PrefetchLaneStorage` (own pages, physical rows, keys naming the CP size),
   every rank storing;
 * ``HybridCacheController._storage_hit_query`` AROUND: a prefetch's existence query checks the
   pages of this rank's lane;
@@ -126,27 +126,24 @@ def agree_on_loads_done(original, radix_cache):
 
 # ---------------------------------------------------------------- the storage tier (L3)
 def _sharded_storage(controller):
-    """The controller's :class:`.storage_v0512.ShardedStorage`, or None (flag off, no L3)."""
-    from sglang_cp_shared_kv.hicache.storage_v0512 import ShardedStorage
+    """The controller's :class:`.storage_v0512.PrefetchLaneStorage`, or None (flag off, no L3)."""
+    from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchLaneStorage
 
     backend = getattr(controller, "storage_backend", None)
-    return backend if isinstance(backend, ShardedStorage) else None
+    return backend if isinstance(backend, PrefetchLaneStorage) else None
 
 
-def shard_storage_backend(result, controller, *args, **kwargs):
-    host = owner_local_host(controller.mem_pool_host)
-    if host is None or not getattr(controller, "enable_storage", False) or _sharded_storage(controller) is not None:
-        return result
-    from sglang_cp_shared_kv.hicache.storage_v0512 import ShardedStorage
-
-    storage = ShardedStorage(controller.storage_backend, host.rule, metrics=host.count_copied_pages)
-    controller.storage_backend = storage
+def _every_rank_stores(controller) -> None:
     # NOTE: stock lets only attention-TP rank 0 store an MLA model's pages (every rank holds all
     # of them); here each CP rank holds, so stores, only its own
     controller.backup_skip = False
-    logger.info("CP shared KV HiCache storage: CP rank %d stores and fetches only its own pages in %s, under "
-                "keys <page hash>%s (a CP group of another size misses them)", host.rule.layout.cp_rank,
-                type(storage.backend).__name__, storage.keys.suffix)
+
+
+def shard_storage_backend(result, controller, *args, **kwargs):
+    from sglang_cp_shared_kv.hicache.storage import shard_controller_storage
+    from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchLaneStorage
+
+    shard_controller_storage(controller, PrefetchLaneStorage, _every_rank_stores)
     return result
 
 

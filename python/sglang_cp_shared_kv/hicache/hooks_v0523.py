@@ -16,11 +16,26 @@ straight through unless the device pool is the shared-KV pool (flag on):
 * ``HybridCacheController.allocate_host_transfers`` AROUND: a backup's host pages in its device
   pages' owner lanes; ``HybridCacheController.load`` AROUND: a load-back's device pages in its
   host pages' lanes (both in :mod:`.lane_hooks`, shared with 0.5.12.post1).
+
+With a storage tier (L3, :mod:`.storage`, shared with 0.5.12.post1):
+
+* ``HybridCacheController.attach_storage_backend`` AFTER (at startup and at a runtime attach):
+  the backend behind :class:`~.storage.ShardedStorage` (own pages at physical rows, keys naming
+  the CP size, the existence query asking for every page's key), every rank storing.
+
+Nothing else: 0.5.23 asks whether pages exist before it allocates a prefetch's host pages (on
+the scheduler thread, from the group's agreed hit), clamps a fetch to the pages whose KV and
+index K both arrived, agrees the fetched count (MIN per batch) and frees every host page of a
+prefetch on the scheduler thread, from agreed counts and after every rank's I/O thread is done
+with it (the acks are drained by the MIN of the queue lengths), so the lanes' free lists stay
+identical on every rank without 0.5.12.post1's ``PrefetchHostPages``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+
 from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
 
@@ -43,4 +58,20 @@ def mark_controller_sharded(result, cache, *args, **kwargs):
     if host is not None:
         # NOTE: stock sets it from isinstance(anchor, PageInterleaveHostPool), upstream's own facade
         controller.is_kv_sharded = True
+    return result
+
+
+# ---------------------------------------------------------------- the storage tier (L3)
+def _every_rank_stores(controller) -> None:
+    # NOTE: stock's backup_skip is "not storage_config.is_storage_writer", which lets only TP rank
+    # 0 store an MLA model's (replicated) pages; here each CP rank holds, so stores, only its own.
+    # The controller reads is_mla_model for nothing else (the backend keeps its own config, and
+    # the storage metrics' labels read the ranks), and a re-attach builds a new config
+    controller.storage_config = dataclasses.replace(controller.storage_config, is_mla_model=False)
+
+
+def shard_storage_backend(result, controller, *args, **kwargs):
+    from sglang_cp_shared_kv.hicache.storage import shard_controller_storage
+
+    shard_controller_storage(controller, every_rank_stores=_every_rank_stores)
     return result

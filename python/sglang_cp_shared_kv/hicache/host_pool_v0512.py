@@ -12,7 +12,7 @@ flight are kept in :class:`~.storage_v0512.PrefetchHostPages` (``prefetch_pages`
 
 Pages this rank copies are counted on the pool (``pages_copied``) and, with
 ``--enable-metrics``, in ``sglang:cp_shared_kv_hicache_pages_total{cp_rank,direction}``
-(:data:`COPY_DIRECTIONS`); the host pool's tokens in
+(:data:`.metrics.COPY_DIRECTIONS`); the host pool's tokens in
 ``sglang:cp_shared_kv_hicache_host_tokens{cp_rank,kind}`` (``physical``: this rank's,
 ``logical``: the group's).
 """
@@ -27,16 +27,12 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
-from sglang_cp_shared_kv.hicache.metrics import hicache_host_tokens_gauge, hicache_pages_counter
+from sglang_cp_shared_kv.hicache.metrics import COPY_DIRECTIONS, hicache_host_tokens_gauge, hicache_pages_counter
 from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import debug_enabled
 
 logger = logging.getLogger(__name__)
-
-#: the directions of ``sglang:cp_shared_kv_hicache_pages_total``: device -> host, host -> device,
-#: host -> storage (L3), storage -> host
-COPY_DIRECTIONS = ("backed_up", "loaded_back", "stored", "fetched")
 
 
 class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):

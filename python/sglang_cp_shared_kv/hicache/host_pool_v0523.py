@@ -44,14 +44,11 @@ from typing import List, Optional, Tuple
 import torch
 
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
-from sglang_cp_shared_kv.hicache.metrics import hicache_host_tokens_gauge, hicache_pages_counter
+from sglang_cp_shared_kv.hicache.metrics import COPY_DIRECTIONS, hicache_host_tokens_gauge, hicache_pages_counter
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 
 logger = logging.getLogger(__name__)
-
-#: the directions of ``sglang:cp_shared_kv_hicache_pages_total`` served on 0.5.23 (host memory only)
-COPY_DIRECTIONS = ("backed_up", "loaded_back")
 
 
 class HostLanePlacement:
@@ -83,7 +80,8 @@ class CpSharedKVHostPool:
         self._lanes_lock = threading.RLock()
         self._pending_lanes: Optional[torch.Tensor] = None
         self._check = debug_enabled()
-        #: KV pages this rank copied: backed up from its device pool, loaded back into it
+        #: KV pages this rank copied: backed up from its device pool, loaded back into it, stored
+        #: to the storage tier (L3), fetched from it
         self.pages_copied = dict.fromkeys(COPY_DIRECTIONS, 0)
         self._metrics_enabled = bool(getattr(getattr(device_pool, "context", None), "metrics_enabled", False))
         if self._metrics_enabled:

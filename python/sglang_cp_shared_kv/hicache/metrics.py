@@ -5,10 +5,17 @@ from __future__ import annotations
 
 from sglang_cp_shared_kv.observability.prometheus_registry import prometheus_metric
 
+#: pages each CP rank copied, by direction (``cp_rank``, ``direction`` labels)
+HICACHE_PAGES_METRIC = "sglang:cp_shared_kv_hicache_pages_total"
+
+#: the directions of ``sglang:cp_shared_kv_hicache_pages_total`` (and of the host pools'
+#: ``pages_copied``): device -> host, host -> device, host -> storage (L3), storage -> host
+COPY_DIRECTIONS = ("backed_up", "loaded_back", "stored", "fetched")
+
 
 def hicache_pages_counter():
     return prometheus_metric(
-        "counter", "sglang:cp_shared_kv_hicache_pages_total",
+        "counter", HICACHE_PAGES_METRIC,
         "Pages a CP rank copied under shared KV (each rank only its own pages): backed_up from its "
         "device pool to host memory, loaded_back from host memory, stored to the HiCache storage "
         "tier (L3), fetched from it.",
@@ -24,4 +31,4 @@ def hicache_host_tokens_gauge():
         ("cp_rank", "kind"), multiprocess_mode="mostrecent")
 
 
-__all__ = ["hicache_host_tokens_gauge", "hicache_pages_counter"]
+__all__ = ["COPY_DIRECTIONS", "hicache_host_tokens_gauge", "hicache_pages_counter"]

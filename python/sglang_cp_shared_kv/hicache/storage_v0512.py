@@ -1,20 +1,18 @@
-"""HiCache's storage tier (L3) under the flag: each CP rank stores and fetches only its own pages.
+"""HiCache's storage tier (L3) under the flag on SGLang 0.5.12.post1: each CP rank stores and
+fetches only its own pages.
 
-SGLang 0.5.12.post1 gives its storage backend logical host locations and page keys that name
-the tokens only (a SHA-256 chain). Under the flag a rank's host buffer holds only the pages of
-its lane (:mod:`.host_lanes`), so :class:`ShardedStorage` stands between the controller and
-the backend:
+:class:`PrefetchLaneStorage` is :class:`.storage.ShardedStorage` (keys ``{hash}@cp{N}``, this
+rank's pages at their physical rows, MLA latent and index K alike) with what 0.5.12.post1's
+prefetch needs besides:
 
-* a page's key is ``{hash}@cp{N}``: a page's bytes depend on its tokens and on how the CP
-  group of N computed them, not on which rank of the group holds it, so a CP-N group finds
-  what a CP-N group stored and a group of another size misses (never a page of another split);
-* a store, a fetch or an existence query touches only this rank's pages (those of its host
-  lane), at their physical rows, MLA latent and index K alike; the other pages' entries read
-  as done, since their own ranks move them;
-* the hit of a prefetch is this rank's pages up to its first missing one, which SGLang's own
-  MIN over the attention-CP group (the prefetch thread's) turns into the group's hit; a page
-  lost between the query and the fetch shortens what the owner fetched, and SGLang's MIN in
-  ``check_prefetch_progress`` shortens the group's insert the same way.
+* the existence query of a prefetch touches only this rank's pages (0.5.12.post1 allocates a
+  prefetch's host pages before it asks, so their lanes are known): the hit is this rank's pages
+  up to its first missing one, which SGLang's own MIN over the attention-CP group (the prefetch
+  thread's) turns into the group's hit; a page lost between the query and the fetch shortens
+  what the owner fetched, and SGLang's MIN in ``check_prefetch_progress`` shortens the group's
+  insert the same way;
+* a page fetched without its index K counts as not fetched (0.5.12.post1 counts a prefetch by
+  its KV pages only; its storage thread fetches the index pages first).
 
 :class:`PrefetchHostPages` keeps the host pages of prefetches rank-identical. SGLang frees a
 prefetch's unused host pages from its storage threads (through ``host_mem_release_queue``),
@@ -33,120 +31,40 @@ import dataclasses
 import logging
 import threading
 import types
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.hicache.storage import ShardedStorage
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG
 
 logger = logging.getLogger(__name__)
 
-class ShardKeys:
-    """``key(h) = f"{h}@cp{N}"``: a page hash in the namespace of a CP group of N (stateless)."""
-
-    def __init__(self, cp_size: int):
-        self.suffix = f"@cp{cp_size}"
-
-    def __call__(self, keys: Sequence[str]) -> List[str]:
-        return [f"{key}{self.suffix}" for key in keys]
-
-
-class ShardedStorage:
-    """The storage backend as one CP rank uses it (module docstring). Every attribute it does
-    not define is the backend's (stats, ``clear``, ``close``, ...)."""
+class PrefetchLaneStorage(ShardedStorage):
+    """The storage backend as one CP rank uses it on SGLang 0.5.12.post1 (module docstring):
+    :class:`.storage.ShardedStorage`, with the existence query of a prefetch narrowed to the
+    pages of this rank's lane, and a page fetched without its index K counted as not fetched."""
 
     def __init__(self, backend, rule: HostPageRule, metrics=None):
-        self.backend = backend
-        self.rule = rule
-        self.cp_rank = rule.layout.cp_rank
-        self.keys = ShardKeys(rule.cp_size)
-        self._metrics = metrics  # count_copied_pages(direction, pages) of the KV host pool, or None
+        super().__init__(backend, rule, metrics)
         self._query_lanes = _QueryLanes()
         #: logical host pages of this rank whose index K the last sidecar fetch missed (the
         #: storage thread fetches a prefetch's index pages, then its KV pages)
         self._index_missing: set = set()
 
-    def __getattr__(self, name):
-        # NOTE: only reached for names this class does not define
-        return getattr(self.__dict__["backend"], name)
-
-    # ------------------------------------------------------------ this rank's pages
-    def lanes_of(self, host_indices: torch.Tensor) -> torch.Tensor:
-        return self.rule.lanes(self.rule.first_pages(host_indices.cpu()))
-
-    def _own(self, host_indices: torch.Tensor) -> Tuple[List[int], torch.Tensor]:
-        """(the positions of this rank's pages among ``host_indices``'s pages, their physical
-        host rows)."""
-        page = self.rule.page_size
-        host_indices = host_indices.cpu()
-        positions = (self.lanes_of(host_indices) == self.cp_rank).nonzero().flatten()
-        rows = host_indices.view(-1, page).index_select(0, positions).reshape(-1)
-        return positions.tolist(), self.rule.physical_rows(rows)
-
-    @staticmethod
-    def _expand(own_results: Sequence[bool], positions: List[int], pages: int) -> List[bool]:
-        """A result per page: this rank's from ``own_results``, every other page done."""
-        out = [True] * pages
-        for position, ok in zip(positions, own_results):
-            out[position] = bool(ok)
-        return out
-
-    def _count(self, direction: str, results: Sequence[bool]) -> None:
-        if self._metrics is not None:
-            self._metrics(direction, sum(1 for ok in results if ok))
-
-    # ------------------------------------------------------------ the KV pool (v1, zero copy)
-    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
-        positions, rows = self._own(host_indices)
-        if not positions:
-            return [True] * len(keys)
-        got = self.backend.batch_get_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
+    def _fetched(self, host_indices: torch.Tensor, positions: List[int], got: Sequence[bool]) -> List[bool]:
         # NOTE: a page fetched without its index K is not fetched: SGLang counts a prefetch by its
         # KV pages only, and would insert the page with whatever the index host rows held
         pages = self.rule.first_pages(host_indices.cpu()).tolist()
-        got = [ok and pages[i] not in self._index_missing for i, ok in zip(positions, got)]
-        self._count("fetched", got)
-        return self._expand(got, positions, len(keys))
+        return [bool(ok) and pages[i] not in self._index_missing for i, ok in zip(positions, got)]
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
-        positions, rows = self._own(host_indices)
-        if not positions:
-            return [True] * len(keys)
-        done = self.backend.batch_set_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
-        self._count("stored", done)
-        return self._expand(done, positions, len(keys))
-
-    # ------------------------------------------------------------ sidecar pools (v2: the index K)
-    def _own_transfers(self, transfers) -> Tuple[list, Dict[str, Tuple[List[int], int]]]:
-        own, where = [], {}
-        for transfer in transfers:
-            positions, rows = self._own(transfer.host_indices)
-            where[transfer.name] = (positions, len(transfer.keys))
-            if positions:
-                own.append(dataclasses.replace(transfer, host_indices=rows,
-                                               keys=self.keys([transfer.keys[i] for i in positions])))
-        return own, where
-
-    def _v2(self, transfers, extra_info, *, store: bool) -> dict:
-        own, where = self._own_transfers(transfers)
-        io = self.backend.batch_set_v2 if store else self.backend.batch_get_v2
-        results = io(own, extra_info) if own else {}
-        out = {name: self._expand(results.get(name, []), positions, pages)
-               for name, (positions, pages) in where.items()}
-        if not store:
-            self._index_missing = {page for transfer in transfers
-                                   for page, ok in zip(self.rule.first_pages(transfer.host_indices.cpu()).tolist(),
-                                                       out[transfer.name]) if not ok}
-        return out
-
-    def batch_get_v2(self, transfers, extra_info=None) -> dict:
-        return self._v2(transfers, extra_info, store=False)
-
-    def batch_set_v2(self, transfers, extra_info=None) -> dict:
-        return self._v2(transfers, extra_info, store=True)
+    def _sidecar_fetched(self, transfers, results: Dict[str, List[bool]]) -> None:
+        self._index_missing = {page for transfer in transfers
+                               for page, ok in zip(self.rule.first_pages(transfer.host_indices.cpu()).tolist(),
+                                                   results[transfer.name]) if not ok}
 
     # ------------------------------------------------------------ existence (a prefetch's hit)
     def query_for(self, host_indices: Optional[torch.Tensor]):

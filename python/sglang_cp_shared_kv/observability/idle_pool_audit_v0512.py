@@ -14,7 +14,8 @@ logs a warning; a whole pool says nothing, so nothing outside can show the check
 when. The hook here runs AFTER SGLang's ``_check_all_pools`` (483-504) and publishes, per
 scheduler process (labels ``rank``, ``field``), SGLang's verdict and the figures it compared,
 plus the pool page by page: each page of ``1 .. size / page`` is free (the allocator's
-``free_pages`` + ``release_pages``) or held by the radix tree (``all_values_flatten``), once;
+``free_pages`` + ``release_pages``) or held by the radix tree (a node's device value; with
+HiCache a node evicted to host memory holds none), once;
 ``leaked_pages`` are in neither, ``double_listed_pages`` in both or twice (a double free a
 count can hide behind a leak), and when it looked (``checked_at_unix_s``).
 
@@ -107,16 +108,23 @@ def page_accounting(free_pages, held_locations, page_size: int, num_pages: int, 
 
 
 def _held_locations(tree_cache, device):
-    """Token locations the prefix cache holds (none for a chunk cache or an empty tree)."""
+    """Token locations the prefix cache holds in device memory (none for a chunk cache or an
+    empty tree). NOTE: walked here rather than by SGLang's ``all_values_flatten``, which
+    concatenates every node's value: HiRadixCache keeps a node whose KV it evicted to host
+    memory with no device value (``value`` None), which holds no device page."""
     import torch
 
     empty = torch.empty((0,), dtype=torch.int64, device=device)
-    if not tree_cache.is_tree_cache() or not hasattr(tree_cache, "all_values_flatten"):
-        return empty
     root = getattr(tree_cache, "root_node", None)
-    if root is not None and not root.children:  # NOTE: SGLang's flatten concatenates nothing and raises
+    if not tree_cache.is_tree_cache() or root is None:
         return empty
-    return tree_cache.all_values_flatten()
+    values, stack = [], list(root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.value is not None:
+            values.append(node.value.to(device=device, dtype=torch.int64))
+        stack.extend(node.children.values())
+    return torch.cat(values) if values else empty
 
 
 def _applies(scheduler) -> bool:

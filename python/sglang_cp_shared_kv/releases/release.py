@@ -74,6 +74,12 @@ class Release:
     #: whether the flag serves SGLang's HiCache (``--enable-hierarchical-cache``) on this release,
     #: each rank's host pool holding its own pages (``sglang_cp_shared_kv.hicache``)
     serves_hicache: bool = False
+    #: whether the flag serves HiCache's storage tier (``--hicache-storage-backend``, L3) on this
+    #: release, each rank storing and fetching its own pages (``sglang_cp_shared_kv.hicache.storage``)
+    serves_hicache_storage: bool = False
+    #: whether this release's Mooncake backend applies ``extra_backend_tag`` twice when it asks
+    #: whether a DSA page exists (so no prefetch would hit: the flag refuses the tag)
+    storage_tag_applied_twice: bool = False
 
     def __post_init__(self) -> None:
         numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", self.version)

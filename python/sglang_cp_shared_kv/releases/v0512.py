@@ -58,4 +58,6 @@ RELEASE = Release(
     bootstrap_target="test",
     hisparse_signal="registration",
     serves_hicache=True,
+    serves_hicache_storage=True,
+    storage_tag_applied_twice=True,
 )

@@ -1,7 +1,7 @@
 """SGLang 0.5.23: DSA prefill CP with the interleave strategy (docs/design.md, "The CP
 strategy on 0.5.23"): its settings layer, the pool and capacity built by its KV
 configurator, several requests per prefill batch, every rank sending its index pages, HiCache's
-host tier (L2) sharded like the device pool.
+host tier (L2) sharded like the device pool and its storage tier (L3) like the host tier.
 Bit-exact in the CPU rigs on its real classes; not run on a GPU yet (no lent image carries its
 torch 2.14.1), which startup says."""
 
@@ -56,7 +56,9 @@ RELEASE = Release(
     attention_backend_module="sglang.srt.layers.attention.dsa_backend",
     bootstrap_target="test-0.5.23",
     hisparse_signal="room",
-    # NOTE: host memory (L2) only; the storage tier (L3) is refused on this release
-    # (settings.server_args.HICACHE_STORAGE_RELEASES)
     serves_hicache=True,
+    # NOTE: the storage tier (L3): each rank stores and fetches its own pages (hicache.storage);
+    # its Mooncake backend tags every key once, so extra_backend_tag is served
+    serves_hicache_storage=True,
+    storage_tag_applied_twice=False,
 )

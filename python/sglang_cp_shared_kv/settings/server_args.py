@@ -306,10 +306,10 @@ def hicache_problems(server_args, refuse) -> None:
                f"the sharded host tier serves the copy backends {', '.join(HICACHE_IO_BACKENDS)}; choose one of them.")
 
 
-#: the HiCache storage backends (L3) the sharded tier serves (hicache/storage_v0512.py)
+#: the HiCache storage backends (L3) the sharded tier serves (hicache/storage.py)
 HICACHE_STORAGE_BACKENDS = ("mooncake",)
-#: the releases whose HiCache storage tier (L3) the flag shards (0.5.23: host memory, L2, only)
-HICACHE_STORAGE_RELEASES = (v0512.RELEASE,)
+#: the releases whose HiCache storage tier (L3) the flag shards (``Release.serves_hicache_storage``)
+HICACHE_STORAGE_RELEASES = tuple(r for r in installed.SUPPORTED if r.serves_hicache_storage)
 
 
 def storage_problems(server_args, refuse) -> None:
@@ -334,9 +334,9 @@ def storage_problems(server_args, refuse) -> None:
         extra = json.loads(extra) if isinstance(extra, str) and extra.strip().startswith("{") else {}
     except ValueError:
         extra = {}  # (SGLang reports a malformed value itself)
-    if isinstance(extra, dict) and extra.get("extra_backend_tag") is not None:
+    if release.storage_tag_applied_twice and isinstance(extra, dict) and extra.get("extra_backend_tag") is not None:
         refuse(f"--hicache-storage-backend-extra-config extra_backend_tag={extra['extra_backend_tag']!r}",
-               f"SGLang {installed.INSTALLED.version} applies the tag twice when it asks whether an NSA page exists, "
+               f"SGLang {release.version} applies the tag twice when it asks whether an NSA page exists, "
                "so no prefetch would ever hit; under the flag the keys already name the CP group's size (<hash>@cp<N>): remove "
                "extra_backend_tag, or give each deployment its own Mooncake master.")
 

@@ -1,0 +1,182 @@
+"""HiCache's storage tier (L3) under the flag, the same on every release: each CP rank stores
+and fetches only its own pages.
+
+SGLang gives its storage backend logical host locations and page keys that name the tokens
+only (a SHA-256 chain). Under the flag a rank's host buffers hold only the pages of its lane
+(:mod:`.host_lanes`), so :class:`ShardedStorage` stands between the controller and the
+backend:
+
+* a page's key is ``{hash}@cp{N}`` (:class:`ShardKeys`): a page's bytes depend on its tokens
+  and on how the CP group of N computed them, not on which rank of the group holds it, so a
+  CP-N group finds what a CP-N group stored and a group of another size misses (never a page
+  of another split);
+* a store or a fetch touches only this rank's pages (those of its host lane), at their
+  physical rows, MLA latent (v1) and index K (v2, the sidecar pools) alike; the other pages'
+  entries read as done, since their own ranks move them. A fetch that fails on this rank
+  therefore ends this rank's count at its first failed page, and SGLang's MIN over the
+  attention-CP group ends the group's there;
+* an existence query asks for every page's key (:meth:`ShardedStorage.batch_exists`): the
+  store holds each page once, whichever rank stored it, so every rank sees the same answer and
+  SGLang's MIN over the group is the group's hit. A release whose prefetch knows its host pages
+  before it asks narrows the query to the rank's lane instead
+  (:class:`.storage_v0512.PrefetchLaneStorage`).
+
+The pages a rank stores and fetches are counted through ``metrics(direction, pages)`` (the KV
+host pool's ``count_copied_pages``: directions ``stored`` and ``fetched``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+
+logger = logging.getLogger(__name__)
+
+
+class ShardKeys:
+    """``key(h) = f"{h}@cp{N}"``: a page hash in the namespace of a CP group of N (stateless)."""
+
+    def __init__(self, cp_size: int):
+        self.suffix = f"@cp{cp_size}"
+
+    def __call__(self, keys: Sequence[str]) -> List[str]:
+        return [f"{key}{self.suffix}" for key in keys]
+
+
+class ShardedStorage:
+    """The storage backend as one CP rank uses it (module docstring). Every attribute it does
+    not define is the backend's (stats, ``clear``, ``close``, registration, ...)."""
+
+    def __init__(self, backend, rule: HostPageRule, metrics: Optional[Callable[[str, int], None]] = None):
+        self.backend = backend
+        self.rule = rule
+        self.cp_rank = rule.layout.cp_rank
+        self.keys = ShardKeys(rule.cp_size)
+        self._metrics = metrics
+
+    def __getattr__(self, name):
+        # NOTE: only reached for names this class does not define
+        return getattr(self.__dict__["backend"], name)
+
+    # ------------------------------------------------------------ this rank's pages
+    def lanes_of(self, host_indices: torch.Tensor) -> torch.Tensor:
+        return self.rule.lanes(self.rule.first_pages(host_indices.cpu()))
+
+    def _own(self, host_indices: torch.Tensor) -> Tuple[List[int], torch.Tensor]:
+        """(the positions of this rank's pages among ``host_indices``'s pages, their physical
+        host rows)."""
+        page = self.rule.page_size
+        host_indices = host_indices.cpu()
+        positions = (self.lanes_of(host_indices) == self.cp_rank).nonzero().flatten()
+        rows = host_indices.view(-1, page).index_select(0, positions).reshape(-1)
+        return positions.tolist(), self.rule.physical_rows(rows)
+
+    @staticmethod
+    def _expand(own_results: Sequence[bool], positions: List[int], pages: int) -> List[bool]:
+        """A result per page: this rank's from ``own_results``, every other page done."""
+        out = [True] * pages
+        for position, ok in zip(positions, own_results):
+            out[position] = bool(ok)
+        return out
+
+    def _count(self, direction: str, results: Sequence[bool]) -> None:
+        if self._metrics is not None:
+            self._metrics(direction, sum(1 for ok in results if ok))
+
+    def _fetched(self, host_indices: torch.Tensor, positions: List[int], got: Sequence[bool]) -> List[bool]:
+        """This rank's KV fetch results as counted (a subclass may withhold pages)."""
+        return [bool(ok) for ok in got]
+
+    def _sidecar_fetched(self, transfers, results: Dict[str, List[bool]]) -> None:
+        """A sidecar fetch (the index K) just returned ``results`` (expanded), per pool name."""
+
+    # ------------------------------------------------------------ the KV pool (v1, zero copy)
+    def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
+        positions, rows = self._own(host_indices)
+        if not positions:
+            return [True] * len(keys)
+        got = self.backend.batch_get_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
+        got = self._fetched(host_indices, positions, got)
+        self._count("fetched", got)
+        return self._expand(got, positions, len(keys))
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
+        positions, rows = self._own(host_indices)
+        if not positions:
+            return [True] * len(keys)
+        done = self.backend.batch_set_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
+        self._count("stored", done)
+        return self._expand(done, positions, len(keys))
+
+    # ------------------------------------------------------------ sidecar pools (v2: the index K)
+    def _own_transfers(self, transfers) -> Tuple[list, Dict[str, Tuple[List[int], int]]]:
+        own, where = [], {}
+        for transfer in transfers:
+            positions, rows = self._own(transfer.host_indices)
+            where[transfer.name] = (positions, len(transfer.keys))
+            if positions:
+                own.append(dataclasses.replace(transfer, host_indices=rows,
+                                               keys=self.keys([transfer.keys[i] for i in positions])))
+        return own, where
+
+    def _v2(self, transfers, extra_info, *, store: bool) -> dict:
+        own, where = self._own_transfers(transfers)
+        io = self.backend.batch_set_v2 if store else self.backend.batch_get_v2
+        results = io(own, extra_info) if own else {}
+        out = {name: self._expand(results.get(name, []), positions, pages)
+               for name, (positions, pages) in where.items()}
+        if not store:
+            self._sidecar_fetched(transfers, out)
+        return out
+
+    def batch_get_v2(self, transfers, extra_info=None) -> dict:
+        return self._v2(transfers, extra_info, store=False)
+
+    def batch_set_v2(self, transfers, extra_info=None) -> dict:
+        return self._v2(transfers, extra_info, store=True)
+
+    # ------------------------------------------------------------ existence (every page's key)
+    def _keyed(self, transfers):
+        """``transfers`` with any keys they carry in the group's namespace."""
+        if transfers is None:
+            return None
+        return [dataclasses.replace(t, keys=self.keys(t.keys)) if t.keys else t for t in transfers]
+
+    def batch_exists(self, keys: List[str], extra_info=None) -> int:
+        return self.backend.batch_exists(self.keys(keys), extra_info)
+
+    def batch_exists_v2(self, keys: List[str], pool_transfers=None, extra_info=None):
+        return self.backend.batch_exists_v2(self.keys(keys), self._keyed(pool_transfers), extra_info)
+
+
+def shard_controller_storage(controller, storage_class=ShardedStorage,
+                             every_rank_stores: Optional[Callable[[object], None]] = None) -> Optional[ShardedStorage]:
+    """Put the controller's storage backend behind ``storage_class`` (a :class:`ShardedStorage`)
+    when its KV host pool is the shared-KV one and a backend is attached, and make every CP rank
+    a storer (``every_rank_stores(controller)``: each rank holds, so stores, only its own pages;
+    stock lets one rank store an MLA model's replicated pages). Returns the sharded storage, or
+    None (flag off, no storage tier). Idempotent."""
+    from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
+
+    host = owner_local_host(controller.mem_pool_host)
+    backend = getattr(controller, "storage_backend", None)
+    if host is None or not getattr(controller, "enable_storage", False) or backend is None:
+        return None
+    if isinstance(backend, ShardedStorage):
+        return backend
+    storage = storage_class(backend, host.rule, metrics=host.count_copied_pages)
+    controller.storage_backend = storage
+    if every_rank_stores is not None:
+        every_rank_stores(controller)
+    logger.info("CP shared KV HiCache storage: CP rank %d stores and fetches only its own pages in %s, under "
+                "keys <page hash>%s (a CP group of another size misses them)", host.rule.layout.cp_rank,
+                type(backend).__name__, storage.keys.suffix)
+    return storage
+
+
+__all__ = ["ShardKeys", "ShardedStorage", "shard_controller_storage"]
