@@ -418,7 +418,7 @@ def main() -> int:
     ap.add_argument("--cp-size", type=int, default=2)
     ap.add_argument("--kv-cache-dtype", default="bfloat16")
     ap.add_argument("--mem-fraction", type=float, default=0.28)
-    ap.add_argument("--port", type=int, default=32000)
+    ap.add_argument("--port", type=int, default=27000)  # (below the ephemeral range)
     ap.add_argument("--boot-timeout", type=int, default=600)
     ap.add_argument("--skip-stage-times", action="store_true", help="phase 1 only")
     ap.add_argument("--only-stage-times", action="store_true",

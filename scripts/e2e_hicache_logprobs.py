@@ -299,7 +299,7 @@ def main():
     ap.add_argument("--workdir", default="e2e-hicache-work")
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
     ap.add_argument("--kv-cache-dtype", default="bfloat16")
-    ap.add_argument("--port", type=int, default=32000)
+    ap.add_argument("--port", type=int, default=24000)  # (below the ephemeral range)
     ap.add_argument("--boot-timeout", type=int, default=420)
     ap.add_argument("--runs", default=None,
                     help=f"servers to run now (default {','.join(DEFAULT_RUNS)}; all: {','.join(RUNS)})")

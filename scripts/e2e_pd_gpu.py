@@ -404,7 +404,7 @@ def main() -> int:
     ap.add_argument("--runs", default=None, help="runs to start now (comma-separated; default: all of the CP size)")
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
-    ap.add_argument("--port", type=int, default=32000, help="prefill port; decode +1, bootstrap +2")
+    ap.add_argument("--port", type=int, default=22000, help="prefill port; decode +1, bootstrap +2 (below the ephemeral range)")
     ap.add_argument("--boot-timeout", type=int, default=480)
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
     ap.add_argument("--share-gpu", action="store_true",

@@ -135,7 +135,7 @@ def probe(cp_size: int, args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="3,5,6,7", help="CP sizes (= --tp, no DP), comma-separated")
-    ap.add_argument("--port", type=int, default=34000)
+    ap.add_argument("--port", type=int, default=25000)  # (below the ephemeral range)
     ap.add_argument("--boot-timeout", type=int, default=300)
     ap.add_argument("--prompt-timeout", type=int, default=60, help="seconds for each prompt's answer")
     ap.add_argument("--parallel", type=int, default=1, help="sizes probed at once (default: one after another)")

@@ -73,7 +73,7 @@ def probe(name: str, stable_topk: bool, args, model, port: int):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=8)
-    ap.add_argument("--port", type=int, default=33000)
+    ap.add_argument("--port", type=int, default=26000)  # (below the ephemeral range)
     ap.add_argument("--boot-timeout", type=int, default=420)
     ap.add_argument("--workdir", type=Path, default=Path("repro-uneven-work"))
     ap.add_argument("--out", default="repro_cp_uneven_split.json")

@@ -155,7 +155,10 @@ SETTLE_S = 6
 #: decode refused waits out the bootstrap timeout first)
 IDLE_WAIT_S = BOOTSTRAP_TIMEOUT_S + 60
 #: a phase's prefill HTTP port is --port + PORTS_PER_PHASE x its place in PHASES; decode +1,
-#: bootstrap +2, the prefill's NCCL +3, decode's +4
+#: bootstrap +2, the prefill's NCCL +3, decode's +4. NOTE: every script's servers listen below
+#: Linux's ephemeral range (32768-60999 by default), where any process's outgoing connection may
+#: already hold the port: the off prefill of a CP4 fp8 soak (--parallel 2, 2026-12-06) failed to
+#: bind 33010 and exited, with 33000 as the default then
 PORTS_PER_PHASE = 10
 #: rooms: each phase's own block; the one-at-a-time requests after the load's
 ROOMS_PER_PHASE, SEQUENTIAL_ROOMS = 1_000_000, 500_000
@@ -771,7 +774,7 @@ def main() -> int:
     ap.add_argument("--share-gpu", action="store_true",
                     help="every rank of both servers on GPU 0 (correctness only: sglang_cp_shared_kv_testing/shared_gpu.py)")
     ap.add_argument("--parallel", type=int, default=1, help="phases whose server pairs go at once (default 1)")
-    ap.add_argument("--port", type=int, default=33000, help="the first phase's prefill port")
+    ap.add_argument("--port", type=int, default=23000, help="the first phase's prefill port (below the ephemeral range)")
     ap.add_argument("--boot-timeout", type=int, default=480)
     ap.add_argument("--seed", type=int, default=20261205)
     ap.add_argument("--requests", type=int, default=MIN_REQUESTS)
