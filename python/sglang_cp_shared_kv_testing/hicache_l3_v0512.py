@@ -13,7 +13,7 @@ Cases (:data:`CASES`): the round trip in bf16 and in fp8, flag off (``stock``) a
 object lost from the store before the prefetch (the group's hit ends before it, on every rank);
 a fetch that fails on one rank only (the group inserts the pages before it); a prefetch started
 twice under one request id (the one SGLang forgets is freed too). Besides (:data:`OTHER_CP_SIZE`,
-:data:`SIZE_BLIND_CONTROL`; the 0.5.23 rig runs the first too): the round trip, then,
+:data:`SIZE_BLIND_CONTROL`; the 0.5.23 rig runs both): the round trip, then,
 inside the storing group while its objects are in the store, the request prefetched again under
 the keys of a group of N + 1 (a clean miss); and the same under keys that do not name the CP
 size (it hits: the negative control).

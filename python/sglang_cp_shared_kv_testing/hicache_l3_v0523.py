@@ -24,6 +24,7 @@ from typing import Dict, List
 
 import torch
 
+from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv_testing.cp_harness import finish_rank
 from sglang_cp_shared_kv_testing.hicache_cp_v0523 import (
     build_cache,
@@ -34,8 +35,14 @@ from sglang_cp_shared_kv_testing.hicache_cp_v0523 import (
     shared_pool,
     stock_pool,
 )
-from sglang_cp_shared_kv_testing.hicache_l3_checks import lookup_as_other_cp_size
-from sglang_cp_shared_kv_testing.hicache_l3_v0512 import CASES, OTHER_CP_SIZE, StorageCase, failing_fetches
+from sglang_cp_shared_kv_testing.hicache_l3_checks import SizeBlindKeys, lookup_as_other_cp_size
+from sglang_cp_shared_kv_testing.hicache_l3_v0512 import (
+    CASES,
+    OTHER_CP_SIZE,
+    SIZE_BLIND_CONTROL,
+    StorageCase,
+    failing_fetches,
+)
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     PAGE,
     STOCK_ACCESS,
@@ -188,15 +195,18 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
             torch.distributed.barrier(group=cpu_group)
 
         copied_before = dict(getattr(kv_host, "pages_copied", {}))
-        with failing_fetches(case, rank, storage, hashes_seen):
-            trip = storage_round_trip(cache, request, access, req_id=f"{case.name}-req",
-                                      before_prefetch=before_prefetch, prefetches=2 if case.prefetch_twice else 1)
-        copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
-        hashes = trip.stored_hashes
-        other_size = None
-        if case.other_cp_size:  # (the trip evicted everything: the request is only in the store)
-            other_size = lookup_as_other_cp_size(storage, n, hashes, kv_host, lambda: storage_round_trip(
-                cache, request, access, req_id=f"{case.name}-again", store=False))
+        with contextlib.ExitStack() as keys:
+            if case.size_blind_keys:  # the negative control of the other-CP-size check
+                keys.enter_context(attributes_set(storage, keys=SizeBlindKeys(n)))
+            with failing_fetches(case, rank, storage, hashes_seen):
+                trip = storage_round_trip(cache, request, access, req_id=f"{case.name}-req",
+                                          before_prefetch=before_prefetch, prefetches=2 if case.prefetch_twice else 1)
+            copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
+            hashes = trip.stored_hashes
+            other_size = None
+            if case.other_cp_size:  # (the trip evicted everything: the request is only in the store)
+                other_size = lookup_as_other_cp_size(storage, n, hashes, kv_host, lambda: storage_round_trip(
+                    cache, request, access, req_id=f"{case.name}-again", store=False))
         stored = {}
         if hashes:
             ours, stock = object_keys(backend, [h + "@cp" + str(n) for h in hashes]), object_keys(backend, hashes)
@@ -236,7 +246,8 @@ def _rank_main(rank, n, port, out_dir, cases, model_dir, extra):
     finish_rank(out_dir, rank, result)
 
 
-def run_storage_group(n: int, model_dir: str, extra: dict, cases=CASES + (TAGGED, OTHER_CP_SIZE), *,
+def run_storage_group(n: int, model_dir: str, extra: dict,
+                      cases=CASES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
                       timeout_s: float = 300.0) -> List[Dict[str, dict]]:
     """Each rank's outcome of every case (module docstring), indexed [rank][case name];
     ``extra``: the Mooncake backend configuration (:meth:`.mooncake_master.MooncakeMaster.extra_config`)."""
@@ -249,5 +260,5 @@ def run_storage_group(n: int, model_dir: str, extra: dict, cases=CASES + (TAGGED
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "OTHER_CP_SIZE", "TAGGED", "StorageCase", "evict_everything", "object_keys", "run_storage_group",
+__all__ = ["CASES", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL", "TAGGED", "StorageCase", "evict_everything", "object_keys", "run_storage_group",
            "storage_round_trip", "storage_server_args"]

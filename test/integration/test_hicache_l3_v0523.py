@@ -17,17 +17,24 @@ from sglang_cp_shared_kv_testing.hicache_l3_checks import (
     check_other_cp_size_misses,
     check_own_pages,
     check_round_trip,
+    check_size_blind_keys_hit,
 )
-from sglang_cp_shared_kv_testing.hicache_l3_v0523 import CASES, OTHER_CP_SIZE, TAGGED, run_storage_group
+from sglang_cp_shared_kv_testing.hicache_l3_v0523 import (
+    CASES,
+    OTHER_CP_SIZE,
+    SIZE_BLIND_CONTROL,
+    TAGGED,
+    run_storage_group,
+)
 from sglang_cp_shared_kv_testing.mooncake_master import mooncake_master
 from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 
 pytestmark = pytest.mark.skipif(installed.INSTALLED is not v0523.RELEASE,
                                 reason=f"needs sglang {v0523.RELEASE.version}")
 
-ALL = CASES + (TAGGED, OTHER_CP_SIZE)
+ALL = CASES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL)
 CASE = {case.name: case for case in ALL}
-SHARDED = [case.name for case in ALL if case.flag]
+SHARDED = [case.name for case in ALL if case.flag and not case.size_blind_keys]
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +95,16 @@ def test_a_group_of_another_cp_size_misses_cleanly(group_run):
     """A request this group stored, still in the store, prefetched again under the keys of a
     group of N + 1: no page found, nothing fetched, nothing leaked."""
     check_other_cp_size_misses(OTHER_CP_SIZE, group_run[2])
+
+
+def test_the_other_cp_size_check_fails_when_keys_do_not_name_the_cp_size(group_run):
+    """The negative control: the same round trip and lookup with keys that name no CP size
+    (``<hash>@cp`` for a group of any size) finds and loads back the whole request under the keys
+    of a group of N + 1, so the check above fails on it."""
+    ranks = group_run[2]
+    for rank, cases in enumerate(ranks):  # (nothing under the CP-size keys: it ran size-blind)
+        stored = cases[SIZE_BLIND_CONTROL.name]["stored"]
+        assert stored["mla_ours"] == stored["index_ours"] == [0] * SIZE_BLIND_CONTROL.pages, rank
+    check_size_blind_keys_hit(SIZE_BLIND_CONTROL, ranks)
+    with pytest.raises(AssertionError):
+        check_other_cp_size_misses(SIZE_BLIND_CONTROL, ranks)
