@@ -77,6 +77,21 @@ def check_size_blind_keys_hit(case, ranks: List[Dict[str, dict]]) -> None:
     assert total_fetched == case.pages, total_fetched
 
 
+def check_the_miss_check_fails_without_cp_size_keys(case, ranks: List[Dict[str, dict]]) -> None:
+    """The control ``case`` ran size-blind (nothing stored under ``<hash>@cp<N>``), its lookup as a
+    group of N + 1 hit (:func:`check_size_blind_keys_hit`), and :func:`check_other_cp_size_misses`
+    fails on it."""
+    for rank, cases in enumerate(ranks):
+        stored = cases[case.name]["stored"]
+        assert stored["mla_ours"] == stored["index_ours"] == [0] * case.pages, rank
+    check_size_blind_keys_hit(case, ranks)
+    try:
+        check_other_cp_size_misses(case, ranks)
+    except AssertionError:
+        return
+    raise AssertionError(f"{case.name}: the other-CP-size check passed on keys that do not name the CP size")
+
+
 def expected_hit_pages(case, ranks: List[Dict[str, dict]]) -> int:
     """The group's agreed hit, in pages: a lost page ends it there; a rank whose fetches fail
     from a page on ends it at its first own page from there (the prefetch's lanes); else all."""
@@ -144,4 +159,4 @@ def check_own_pages(case, ranks: List[Dict[str, dict]]) -> None:
 
 
 __all__ = ["SizeBlindKeys", "check_no_leak", "check_other_cp_size_misses", "check_own_pages", "check_round_trip",
-           "check_size_blind_keys_hit", "expected_hit_pages", "lookup_as_other_cp_size"]
+           "check_size_blind_keys_hit", "check_the_miss_check_fails_without_cp_size_keys", "expected_hit_pages", "lookup_as_other_cp_size"]
