@@ -27,7 +27,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
-from sglang_cp_shared_kv.hicache.metrics import COPY_DIRECTIONS, hicache_host_tokens_gauge, hicache_pages_counter
+from sglang_cp_shared_kv.hicache.metrics import HostTierCounts
 from sglang_cp_shared_kv.hicache.storage_v0512 import PrefetchHostPages
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import debug_enabled
@@ -50,18 +50,17 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
             super().__init__(device_pool, *args, **kwargs)
         self.physical_size = self.size
         self.physical_page_num = self.page_num
-        #: pages this rank copied: backed up from its device pool, loaded back into it, stored
-        #: to the storage tier (L3), fetched from it
-        self.pages_copied = dict.fromkeys(COPY_DIRECTIONS, 0)
-        self._metrics_enabled = bool(getattr(device_pool.context, "metrics_enabled", False))
+        self.counts = HostTierCounts(layout.cp_rank, bool(getattr(device_pool.context, "metrics_enabled", False)))
+
+    @property
+    def pages_copied(self):
+        """Pages this rank copied: backed up from its device pool, loaded back into it, stored to
+        the storage tier (L3), fetched from it."""
+        return self.counts.pages
 
     def count_copied_pages(self, direction: str, pages: int) -> None:
         """``pages`` of this rank's pages more ``direction`` (one of :data:`COPY_DIRECTIONS`)."""
-        if direction not in self.pages_copied:
-            raise ValueError(f"count_copied_pages: direction must be one of {COPY_DIRECTIONS}, got {direction!r}")
-        self.pages_copied[direction] += pages
-        if self._metrics_enabled:
-            hicache_pages_counter().labels(cp_rank=str(self.rule.layout.cp_rank), direction=direction).inc(pages)
+        self.counts.count(direction, pages)
 
     @property
     def pages_backed_up(self) -> int:
@@ -83,10 +82,7 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
                     "tokens over the CP group of %d (each rank backs up and loads back its own pages)",
                     self.physical_size, self.physical_page_num, self.physical_size * self.size_per_token / 1e9,
                     self.size, self.rule.cp_size)
-        if self._metrics_enabled:
-            gauge = hicache_host_tokens_gauge()
-            gauge.labels(cp_rank=str(self.rule.layout.cp_rank), kind="physical").set(self.physical_size)
-            gauge.labels(cp_rank=str(self.rule.layout.cp_rank), kind="logical").set(self.size)
+        self.counts.publish_host_tokens(self.physical_size, self.size)
 
     # ------------------------------------------------------------ allocation
     @contextlib.contextmanager

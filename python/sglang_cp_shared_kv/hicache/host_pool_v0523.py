@@ -44,7 +44,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageLanes, HostPageRule
-from sglang_cp_shared_kv.hicache.metrics import COPY_DIRECTIONS, hicache_host_tokens_gauge, hicache_pages_counter
+from sglang_cp_shared_kv.hicache.metrics import COPY_DIRECTIONS, HostTierCounts
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG, debug_enabled
 
@@ -80,14 +80,9 @@ class CpSharedKVHostPool:
         self._lanes_lock = threading.RLock()
         self._pending_lanes: Optional[torch.Tensor] = None
         self._check = debug_enabled()
-        #: KV pages this rank copied: backed up from its device pool, loaded back into it, stored
-        #: to the storage tier (L3), fetched from it
-        self.pages_copied = dict.fromkeys(COPY_DIRECTIONS, 0)
-        self._metrics_enabled = bool(getattr(getattr(device_pool, "context", None), "metrics_enabled", False))
-        if self._metrics_enabled:
-            gauge = hicache_host_tokens_gauge()
-            gauge.labels(cp_rank=str(self.shard_rank), kind="physical").set(self.physical_size)
-            gauge.labels(cp_rank=str(self.shard_rank), kind="logical").set(self.logical_size)
+        self.counts = HostTierCounts(self.shard_rank,
+                                     bool(getattr(getattr(device_pool, "context", None), "metrics_enabled", False)))
+        self.counts.publish_host_tokens(self.physical_size, self.logical_size)
         logger.info("CP shared KV HiCache: host pool of %d tokens on this rank (%d pages, %.2f GB), %d logical tokens "
                     "over the CP group of %d (each rank backs up and loads back its own pages)",
                     host_pool.size, self.physical_page_num, host_pool.size * host_pool.size_per_token / 1e9,
@@ -147,12 +142,14 @@ class CpSharedKVHostPool:
             return self.lanes.free_pages_per_lane()
 
     # ------------------------------------------------------------ copies (SGLang's transfer engine)
+    @property
+    def pages_copied(self):
+        """KV pages this rank copied: backed up from its device pool, loaded back into it, stored to
+        the storage tier (L3), fetched from it."""
+        return self.counts.pages
+
     def count_copied_pages(self, direction: str, pages: int) -> None:
-        if direction not in self.pages_copied:
-            raise ValueError(f"count_copied_pages: direction must be one of {COPY_DIRECTIONS}, got {direction!r}")
-        self.pages_copied[direction] += pages
-        if self._metrics_enabled and pages:
-            hicache_pages_counter().labels(cp_rank=str(self.shard_rank), direction=direction).inc(pages)
+        self.counts.count(direction, pages)
 
     def backup_from_device_all_layer_physical(self, device_pool, host_indices, device_indices, io_backend):
         self.count_copied_pages("backed_up", host_indices.numel() // self.host_pool.page_size)

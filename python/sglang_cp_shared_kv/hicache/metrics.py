@@ -31,4 +31,30 @@ def hicache_host_tokens_gauge():
         ("cp_rank", "kind"), multiprocess_mode="mostrecent")
 
 
-__all__ = ["COPY_DIRECTIONS", "hicache_host_tokens_gauge", "hicache_pages_counter"]
+class HostTierCounts:
+    """One CP rank's host tier in numbers, for both releases' host pools: the pages it copied, by
+    direction (``pages``: :data:`COPY_DIRECTIONS`), and, with ``--enable-metrics``, the same in
+    ``sglang:cp_shared_kv_hicache_pages_total`` and its host tokens in ``…_hicache_host_tokens``."""
+
+    def __init__(self, cp_rank: int, metrics_enabled: bool):
+        self.cp_rank = str(cp_rank)
+        self.metrics_enabled = metrics_enabled
+        self.pages = dict.fromkeys(COPY_DIRECTIONS, 0)
+
+    def count(self, direction: str, pages: int) -> None:
+        """``pages`` more of this rank's pages copied ``direction``."""
+        if direction not in self.pages:
+            raise ValueError(f"count_copied_pages: direction must be one of {COPY_DIRECTIONS}, got {direction!r}")
+        self.pages[direction] += pages
+        if self.metrics_enabled:
+            hicache_pages_counter().labels(cp_rank=self.cp_rank, direction=direction).inc(pages)
+
+    def publish_host_tokens(self, physical: int, logical: int) -> None:
+        if self.metrics_enabled:
+            gauge = hicache_host_tokens_gauge()
+            gauge.labels(cp_rank=self.cp_rank, kind="physical").set(physical)
+            gauge.labels(cp_rank=self.cp_rank, kind="logical").set(logical)
+
+
+__all__ = ["COPY_DIRECTIONS", "HICACHE_PAGES_METRIC", "HostTierCounts", "hicache_host_tokens_gauge",
+           "hicache_pages_counter"]
