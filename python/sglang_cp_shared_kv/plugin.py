@@ -203,6 +203,9 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         # --- HiCache's storage tier (L3): each rank stores and fetches its own pages (stock agrees
         # the hit, the fetched count and every host page's release on the scheduler thread)
         HookSpec(f"{_HYBRID_CONTROLLER}.attach_storage_backend", hicache.shard_storage_backend, "after"),
+        # the external L3 layout (a router's own lookup in the store) names no @cp<N> key: off, saying why
+        HookSpec("sglang.srt.managers.scheduler.Scheduler._hicache_l3_layout", hicache.describe_sharded_l3_layout,
+                 "after"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server_dsa.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity",

@@ -19,6 +19,7 @@ import contextlib
 import json
 import tempfile
 import traceback
+import types
 from array import array
 from typing import Dict, List
 
@@ -154,6 +155,17 @@ def object_keys(backend, hashes: List[str]) -> Dict[str, List[str]]:
     return {"mla": [f"{key}_{backend.mla_suffix}_k" for key in tagged], "index": backend._tag_keys(index)}
 
 
+def external_l3_layout(cache) -> dict:
+    """What the scheduler's startup handshake (and ``/hicache/l3_layout``) reports for this
+    cache: the real ``Scheduler._hicache_l3_layout`` (the plugin's hook included) on a scheduler
+    holding only what it reads."""
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.utils.msgspec_utils import msgspec_to_builtins
+
+    scheduler = types.SimpleNamespace(enable_hierarchical_cache=True, tree_cache=cache, page_size=PAGE)
+    return msgspec_to_builtins(Scheduler._hicache_l3_layout(scheduler))
+
+
 def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra: dict) -> dict:
     from sglang.srt.runtime_context import get_parallel
     from sglang_cp_shared_kv.hicache.storage import ShardedStorage
@@ -213,6 +225,7 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
             for what in ("mla", "index"):
                 stored[f"{what}_ours"] = [int(x) for x in store.batch_is_exist(ours[what])]
                 stored[f"{what}_stock"] = [int(x) for x in store.batch_is_exist(stock[what])]
+        l3_layout = external_l3_layout(cache)
         ok, message = cache.detach_storage_backend()
         return {
             "name": case.name,
@@ -223,7 +236,7 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
             "stored": stored, "pages_copied": copied, "backup_skip": bool(controller.backup_skip),
             "sharded": isinstance(storage, ShardedStorage), "detached": ok, "detach_message": message,
             "host_tokens_after_detach": list(_free_host_tokens(cache)), "prefetch_lanes": prefetch_lanes,
-            "key_prefix": backend.config_prefix, "other_size": other_size,
+            "key_prefix": backend.config_prefix, "other_size": other_size, "l3_layout": l3_layout,
         }
 
 

@@ -140,13 +140,28 @@ def test_the_mooncake_storage_tier_is_served_on_0523_with_or_without_a_key_tag(h
     server_args.check_server_args()  # no problem (0.5.23 tags every key once)
 
 
-def test_another_storage_backend_is_refused_on_0523_naming_the_setting_and_the_fix(hopper, tiny_nsa_model):
+#: id: (HiCache options, the problem named, the fix named)
+HICACHE_REFUSALS_V0523 = {
+    "another_storage_backend": (("--hicache-storage-backend", "file"),
+                                "--hicache-storage-backend file: the sharded HiCache storage tier serves mooncake",
+                                "use --hicache-storage-backend mooncake"),
+    # host memory as a staging buffer only: its pages allocated per storage operation, outside the lanes
+    "buffer_only_host_memory": (("--hicache-io-backend", "direct", "--hicache-storage-backend", "mooncake",
+                                 "--hicache-host-memory-mode", "buffer_only", "--hicache-ratio", "1.2"),
+                                "--hicache-host-memory-mode buffer_only: the sharded host tier keeps each rank's own",
+                                "remove --hicache-host-memory-mode (cache is the default)"),
+}
+
+
+@pytest.mark.parametrize("case", list(HICACHE_REFUSALS_V0523))
+def test_what_the_sharded_hicache_does_not_serve_is_refused_on_0523_naming_the_setting_and_the_fix(
+        hopper, tiny_nsa_model, case):
     from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError
 
-    server_args = _args(tiny_nsa_model, "--enable-hierarchical-cache", "--hicache-storage-backend", "file")
+    options, problem, fix = HICACHE_REFUSALS_V0523[case]
+    server_args = _args(tiny_nsa_model, "--enable-hierarchical-cache", *options)
     server_args.resolve_once()
     with pytest.raises(CpSharedKVConfigError) as exc:
         server_args.check_server_args()
     message = str(exc.value)
-    assert "--hicache-storage-backend file: the sharded HiCache storage tier serves mooncake" in message
-    assert "use --hicache-storage-backend mooncake" in message and message.count("\n  - ") == 1
+    assert problem in message and fix in message and message.count("\n  - ") == 1, message

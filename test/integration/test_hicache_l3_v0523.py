@@ -102,3 +102,19 @@ def test_the_other_cp_size_check_fails_when_keys_do_not_name_the_cp_size(group_r
     (``<hash>@cp`` for a group of any size) finds and loads back the whole request under the keys
     of a group of N + 1, so the check above fails on it."""
     check_the_miss_check_fails_without_cp_size_keys(SIZE_BLIND_CONTROL, group_run[2])
+
+
+def test_the_external_l3_layout_is_off_under_the_flag_saying_why(group_run):
+    """A router's own lookup in the store (the startup handshake's layout) builds stock's keys,
+    which a sharded group never writes: the flag's layout is off and names the @cp<N> keys; stock's,
+    on the same store, describes its KV and index-K objects."""
+    from sglang_cp_shared_kv.hicache.hooks_v0523 import SHARDED_L3_LAYOUT_REASON
+
+    for rank, cases in enumerate(group_run[2]):
+        stock = cases["stock"]["l3_layout"]
+        assert stock["enabled"] and stock["backend"] == "mooncake", (rank, stock)
+        assert len(stock["hicache_object_layout"]["pools"]) == 2, (rank, stock)  # KV and the index-K sidecar
+        for name in SHARDED:
+            ours = cases[name]["l3_layout"]
+            assert not ours["enabled"] and ours["reason"] == SHARDED_L3_LAYOUT_REASON, (rank, name, ours)
+            assert ours["hicache_object_layout"]["pools"] == [] and ours["page_size"] == PAGE, (rank, name)

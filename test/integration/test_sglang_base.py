@@ -83,6 +83,7 @@ HICACHE_HOOKS_V0523 = (
     (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.allocate_host_transfers", "around"),
     (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.load", "around"),
     (f"{_HYBRID}.hybrid_cache_controller.HybridCacheController.attach_storage_backend", "after"),
+    ("sglang.srt.managers.scheduler.Scheduler._hicache_l3_layout", "after"),
 )
 
 

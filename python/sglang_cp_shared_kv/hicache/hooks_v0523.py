@@ -21,7 +21,10 @@ With a storage tier (L3, :mod:`.storage`, shared with 0.5.12.post1):
 
 * ``HybridCacheController.attach_storage_backend`` AFTER (at startup and at a runtime attach):
   the backend behind :class:`~.storage.ShardedStorage` (own pages at physical rows, keys naming
-  the CP size, the existence query asking for every page's key), every rank storing.
+  the CP size, the existence query asking for every page's key), every rank storing;
+* ``Scheduler._hicache_l3_layout`` AFTER: the external L3 object layout (the startup handshake's
+  and ``/hicache/l3_layout``'s, which a router reads to look pages up in the store itself)
+  reported off with the reason (:func:`describe_sharded_l3_layout`).
 
 Nothing else: 0.5.23 asks whether pages exist before it allocates a prefetch's host pages (on
 the scheduler thread, from the group's agreed hit), clamps a fetch to the pages whose KV and
@@ -75,3 +78,25 @@ def shard_storage_backend(result, controller, *args, **kwargs):
 
     shard_controller_storage(controller, every_rank_stores=_every_rank_stores)
     return result
+
+
+#: why the external L3 lookup is off for a sharded storage tier (the layout's ``reason``)
+SHARDED_L3_LAYOUT_REASON = (
+    "CP-sharded HiCache storage (--enable-prefill-cp-shared-kv): each page is stored once, by the CP rank that "
+    "owns it, under <hash>@cp<N> (N the prefill's CP size); the external L3 object layout names no such "
+    "key, so external L3 lookup is off for this server (its own prefetches hit as usual)")
+
+
+def describe_sharded_l3_layout(result, scheduler, *args, **kwargs):
+    from sglang_cp_shared_kv.hicache.storage import ShardedStorage
+
+    controller = getattr(getattr(scheduler, "tree_cache", None), "cache_controller", None)
+    if not isinstance(getattr(controller, "storage_backend", None), ShardedStorage):
+        return result
+    # NOTE: stock already answers "off" here (the wrapper is no MooncakeStore) but says Mooncake is
+    # not attached; a layout without the @cp<N> suffix would send a router to keys nobody wrote
+    if not getattr(scheduler, "_cp_shared_kv_l3_layout_logged", False):
+        scheduler._cp_shared_kv_l3_layout_logged = True
+        logger.info("HiCache external L3 layout: off (%s)", SHARDED_L3_LAYOUT_REASON)
+    return {**result, "enabled": False, "backend": "mooncake", "hicache_object_layout": {"pools": []},
+            "reason": SHARDED_L3_LAYOUT_REASON}

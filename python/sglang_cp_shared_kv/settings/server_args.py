@@ -283,6 +283,8 @@ def cp_size_problem(server_args, refuse) -> None:
 #: or pages by index, which the tier narrows to the rank's own and maps to physical ones)
 HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 HICACHE_IO_BACKENDS = ("kernel", "direct")
+#: the host memory mode the sharded host tier serves (host memory as a cache tier, L2)
+HICACHE_HOST_MEMORY_MODE = "cache"
 
 
 def hicache_problems(server_args, refuse) -> None:
@@ -296,6 +298,14 @@ def hicache_problems(server_args, refuse) -> None:
                f"the sharded HiCache host tier is not built for SGLang {version}'s HiCache yet; remove "
                f"--enable-hierarchical-cache, or serve with {serving}.")
         return
+    # NOTE: a later release's option (absent before it: host memory is then always a cache)
+    host_memory_mode = getattr(server_args, "hicache_host_memory_mode", HICACHE_HOST_MEMORY_MODE)
+    if host_memory_mode != HICACHE_HOST_MEMORY_MODE:
+        refuse(f"--hicache-host-memory-mode {host_memory_mode}",
+               "the sharded host tier keeps each rank's own pages in its host memory (a cache); buffer_only "
+               "stages every storage copy in host pages each operation allocates for itself, which the tier "
+               f"does not place in the rank's lanes: remove --hicache-host-memory-mode ({HICACHE_HOST_MEMORY_MODE} "
+               "is the default).")
     if server_args.hicache_storage_backend:
         storage_problems(server_args, refuse)
     if server_args.hicache_mem_layout not in HICACHE_MEM_LAYOUTS:
