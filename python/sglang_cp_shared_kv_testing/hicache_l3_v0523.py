@@ -99,13 +99,15 @@ def poison_host(cache, seed: int) -> None:
 
 
 def storage_round_trip(cache, request: HiCacheRequest, access, *, req_id: str, store: bool = True,
-                       before_prefetch=None, prefetches: int = 1) -> StorageTrip:
+                       before_prefetch=None, prefetches: int = 1, audit: bool = True) -> StorageTrip:
     """One request through the storage tier of ``cache``: place and insert it (write-through
     backs it up to host, and from host to the store), evict it from device and host memory,
     poison both, prefetch it from the store (``prefetches`` times under one request handle; SGLang
     ignores a prefetch of a request it already tracks), load the host hit back, read it; then
     evict everything and audit the host tier (``StorageTrip.host_tokens``: (free host tokens, the
-    host tier's size) with nothing in device or host memory). ``store=False``: only the prefetch."""
+    host tier's size) with nothing in device or host memory). ``store=False``: only the prefetch;
+    ``audit=False``: no audit (``host_tokens`` empty), the loaded-back pages left in the device
+    tree as a server leaves them for the request that hit them (to send them, say)."""
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, EvictParams, MatchPrefixParams
     from sglang.srt.mem_cache.radix_cache import RadixKey
 
@@ -142,7 +144,7 @@ def storage_round_trip(cache, request: HiCacheRequest, access, *, req_id: str, s
                        host_hit_before=before.host_hit_length, loaded_tokens=loaded,
                        host_hit_length=match.host_hit_length, new_locs=new_locs,
                        written=request.content.prefix(len(new_locs), PAGE), device_bytes_after_load=device_bytes,
-                       host_tokens=evict_everything(cache), steps=steps)
+                       host_tokens=evict_everything(cache) if audit else (), steps=steps)
 
 
 # ---------------------------------------------------------------- one case on one rank

@@ -6,12 +6,17 @@ over the real Mooncake engine, and decode's bytes equal the flag-off HiCache run
 
 import pytest
 
-from sglang_cp_shared_kv_testing.hicache_pd_v0512 import REQUEST_PAGES, ROOMS, run_hicache_pd
+from sglang_cp_shared_kv_testing.hicache_pd_v0512 import (
+    TIER_ROOMS,
+    check_decode_got_the_flag_off_bytes,
+    check_every_rank_sent_the_pages_it_holds,
+    check_the_control_is_caught_on_rank_1,
+    run_hicache_pd,
+)
 from sglang_cp_shared_kv_testing.mooncake_master import mooncake_master
 from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 
 PAGE = 64
-SENT = [name for name, _tier, _seed in ROOMS if name != "control"]
 
 
 @pytest.fixture(scope="module")
@@ -28,32 +33,15 @@ def pd_run(request, master):
     return n, run_hicache_pd(n, dtype_name, master.extra_config(prefetch_threshold=PAGE))
 
 
-@pytest.mark.parametrize("name", SENT)
+@pytest.mark.parametrize("name", TIER_ROOMS)
 def test_decode_receives_the_flag_off_runs_bytes_after_a_load_back(pd_run, name):
-    n, processes = pd_run
-    decode = processes[n]["rooms"][name]
-    assert decode["status"] == "success", decode
-    assert decode["verified"], decode["problems"]
-    assert processes[n]["stray_writes"] == []
+    check_decode_got_the_flag_off_bytes(*pd_run, name)
 
 
-@pytest.mark.parametrize("name", SENT)
+@pytest.mark.parametrize("name", TIER_ROOMS)
 def test_every_rank_sends_exactly_the_pages_it_holds(pd_run, name):
-    n, processes = pd_run
-    sent = []
-    for rank in range(n):
-        # what was sent came back from host memory (l2) or the store (l3), the whole request
-        assert processes[rank]["host_hit_length"][name] == REQUEST_PAGES * PAGE, rank
-        outcome = processes[rank]["rooms"][name]
-        assert outcome["status"] == "success", (rank, outcome)
-        assert outcome["stats"]["kv_pages"] == outcome["stats"]["state_pages"] == outcome["pages_held"], (rank, outcome)
-        sent.append(outcome["pages_held"])
-    assert sum(sent) == REQUEST_PAGES and min(sent) > 0, sent
+    check_every_rank_sent_the_pages_it_holds(*pd_run, name)
 
 
 def test_the_control_with_one_zeroed_page_on_rank_1_is_caught_there(pd_run):
-    n, processes = pd_run
-    decode = processes[n]["rooms"]["control"]
-    position = processes[1]["control_position"]
-    assert decode["status"] == "success" and not decode["verified"], decode
-    assert decode["problems"] == [f"layer 0: kv wrong at positions [{position}]"], decode["problems"]
+    check_the_control_is_caught_on_rank_1(*pd_run)
