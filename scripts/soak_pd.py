@@ -807,7 +807,9 @@ def main() -> int:
     args.kill_after = args.kill_after if args.kill_after is not None else max(1, args.fault_requests // 3)
     args.tag = (f"cp{args.cp_size}.{args.kv_cache_dtype}.seed{args.seed}.n{args.requests}.pool{args.pool}"
                 + (".stock-topk" if args.stock_topk else "") + (".share-gpu" if args.share_gpu else "")
-                + (f".hicache{args.hicache_ratio:g}" if args.hicache_ratio else ""))
+                + (f".hicache{args.hicache_ratio:g}" if args.hicache_ratio else "")
+                # NOTE: decode's batch bound changes what "alone vs under load" can hold: its own records
+                + (f".decode-max{args.decode_max_running_requests}" if args.decode_max_running_requests else ""))
     work = Path(args.workdir)
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)
@@ -819,6 +821,7 @@ def main() -> int:
               "requests": args.requests, "clients": args.clients, "prefill_pool_per_rank": args.pool,
               "decode_pool": decode_pool_for(args.cp_size, args.pool), "chunk": CHUNK,
               "stable_topk": not args.stock_topk, "share_gpu": args.share_gpu, "hicache_ratio": args.hicache_ratio,
+              "decode_max_running_requests": args.decode_max_running_requests,
               "phases": sorted(phases),
               "failed_phases": failed, "checks": judged, "stock": stock,
               "plan": plan_summary(plan_load(args.seed, args.requests, shape_of(args))),
