@@ -92,16 +92,48 @@ def check_the_miss_check_fails_without_cp_size_keys(case, ranks: List[Dict[str, 
     raise AssertionError(f"{case.name}: the other-CP-size check passed on keys that do not name the CP size")
 
 
+def _failing_fetch(case):
+    """(rank, first page) of a rank whose fetches fail from that page on (a failed or a raising
+    fetch), or None."""
+    if case.fail_fetch is not None:
+        return case.fail_fetch
+    if case.backend_raises is not None and case.backend_raises[1] == "fetch":
+        return case.backend_raises[0], 0
+    return None
+
+
+def _store_failed_pages(case, ranks: List[Dict[str, dict]]) -> List[int]:
+    """The pages whose store raised on the rank of a raising store (its own pages at the backup)."""
+    if case.backend_raises is None or case.backend_raises[1] != "store":
+        return []
+    return ranks[case.backend_raises[0]][case.name]["backend_raised"]["pages"]
+
+
+def _own_pages(case, ranks: List[Dict[str, dict]], rank: int) -> List[int]:
+    """The pages of ``rank``'s lane among the prefetch's host pages."""
+    lanes = ranks[0][case.name]["prefetch_lanes"]
+    return [p for p in range(case.pages) if lanes[p] == rank]
+
+
 def expected_hit_pages(case, ranks: List[Dict[str, dict]]) -> int:
     """The group's agreed hit, in pages: a lost page ends it there; a rank whose fetches fail
-    from a page on ends it at its first own page from there (the prefetch's lanes); else all."""
+    (or raise) from a page on ends it at its first own page from there (the prefetch's lanes); a
+    rank whose existence query raises finds none of the pages it asks for: its own (a query
+    narrowed to its lane) end the hit at its first own page, every page's key ends it at 0; a
+    rank whose store raised left its pages out of the store, which ends the hit at the first;
+    else all."""
     if case.lose_page is not None:
         return case.lose_page
-    if case.fail_fetch is not None:
-        rank, first = case.fail_fetch
-        lanes = ranks[0][case.name]["prefetch_lanes"]
-        return next((p for p in range(first, case.pages) if lanes[p] == rank), case.pages)
-    return case.pages
+    failing = _failing_fetch(case)
+    if failing is not None:
+        rank, first = failing
+        return next((p for p in _own_pages(case, ranks, rank) if p >= first), case.pages)
+    if case.backend_raises is not None and case.backend_raises[1] == "query":
+        rank = case.backend_raises[0]
+        if ranks[rank][case.name]["query_in_lanes"]:
+            return next(iter(_own_pages(case, ranks, rank)), case.pages)
+        return 0
+    return min(_store_failed_pages(case, ranks), default=case.pages)
 
 
 def check_round_trip(case, ranks: List[Dict[str, dict]]) -> None:
@@ -133,30 +165,61 @@ def check_no_leak(case, ranks: List[Dict[str, dict]], n: int) -> None:
 
 def check_own_pages(case, ranks: List[Dict[str, dict]]) -> None:
     """Each rank stored, fetched and loaded back only its own pages (by the prefetch's lanes),
-    every page under the CP-size key (MLA latent and index K) and none under stock's."""
-    lanes = ranks[0][case.name]["prefetch_lanes"]
+    every page under the CP-size key (MLA latent and index K) and none under stock's; the pages
+    a raising store failed are in the store under no key."""
     hit_pages = expected_hit_pages(case, ranks)
-    assert sum(cases[case.name]["pages_copied"]["stored"] for cases in ranks) == case.pages
+    store_failed = _store_failed_pages(case, ranks)
+    assert sum(cases[case.name]["pages_copied"]["stored"] for cases in ranks) == case.pages - len(store_failed)
+    failing = _failing_fetch(case)
     for rank, cases in enumerate(ranks):
         result = cases[case.name]
         assert result["sharded"] and not result["backup_skip"], rank  # (every rank stores)
-        own = [p for p in range(case.pages) if lanes[p] == rank]
+        own = _own_pages(case, ranks, rank)
         assert result["pages_copied"]["loaded_back"] == sum(1 for p in own if p < hit_pages), rank
         # what this rank fetched: its pages in the group's agreed hit (a lost page ends it before
         # any fetch); a rank whose fetches fail from a page on fetched its pages before that page
         # only, while the others fetched all of theirs (the group then inserts the shorter run)
-        if case.fail_fetch is None:
+        if failing is None:
             fetched = sum(1 for p in own if p < hit_pages)
-        elif case.fail_fetch[0] == rank:
-            fetched = sum(1 for p in own if p < case.fail_fetch[1])
+        elif failing[0] == rank:
+            fetched = sum(1 for p in own if p < failing[1])
         else:
             fetched = len(own)
         assert result["pages_copied"]["fetched"] == fetched, rank
         stored = result["stored"]
-        expected_mla = [0 if p == case.lose_page else 1 for p in range(case.pages)]
-        assert stored["mla_ours"] == expected_mla and stored["index_ours"] == [1] * case.pages, rank
+        missing = set(store_failed)
+        expected_index = [0 if p in missing else 1 for p in range(case.pages)]
+        expected_mla = [0 if p == case.lose_page else ok for p, ok in enumerate(expected_index)]
+        assert stored["mla_ours"] == expected_mla and stored["index_ours"] == expected_index, rank
         assert stored["mla_stock"] == stored["index_stock"] == [0] * case.pages, rank
 
 
-__all__ = ["SizeBlindKeys", "check_no_leak", "check_other_cp_size_misses", "check_own_pages", "check_round_trip",
-           "check_size_blind_keys_hit", "check_the_miss_check_fails_without_cp_size_keys", "expected_hit_pages", "lookup_as_other_cp_size"]
+def check_backend_error_contained(case, ranks: List[Dict[str, dict]]) -> None:
+    """On the rank of ``case.backend_raises``, the backend raised (at least once, on pages of its
+    own: of its lane for a fetch or a query narrowed to it, every page's key for a query of every
+    page) and each call that raised was counted once as a storage error of that operation and
+    logged once, at WARNING or above with the exception, naming the rank and the operation; no
+    other rank raised, counted or logged one. (The group's agreed outcome: :func:`check_round_trip`,
+    :func:`check_own_pages`, :func:`check_no_leak`.)"""
+    failing, operation = case.backend_raises
+    for rank, cases in enumerate(ranks):
+        result = cases[case.name]
+        raised, errors, logs = result["backend_raised"], result["storage_errors"], result["storage_error_logs"]
+        if rank != failing:
+            assert raised["calls"] == 0 and not any(errors.values()) and logs == [], (rank, raised, errors, logs)
+            continue
+        assert raised["calls"] >= 1 and raised["pages"], (rank, raised)
+        if operation == "fetch" or (operation == "query" and result["query_in_lanes"]):
+            assert raised["pages"] == _own_pages(case, ranks, rank), (rank, raised)
+        elif operation == "query":
+            assert raised["pages"] == list(range(case.pages)), (rank, raised)
+        assert errors.get(operation) == sum(errors.values()) == raised["calls"], (rank, errors, raised)
+        assert len(logs) == raised["calls"], (rank, logs)
+        for level, message, exception in logs:
+            assert level in ("WARNING", "ERROR") and exception == "InjectedBackendError", (rank, level, exception)
+            assert f"CP rank {rank}" in message and operation in message, (rank, message)
+
+
+__all__ = ["SizeBlindKeys", "check_backend_error_contained", "check_no_leak", "check_other_cp_size_misses",
+           "check_own_pages", "check_round_trip", "check_size_blind_keys_hit",
+           "check_the_miss_check_fails_without_cp_size_keys", "expected_hit_pages", "lookup_as_other_cp_size"]

@@ -12,7 +12,10 @@ which keys the store holds).
 Cases (:data:`CASES`): the round trip in bf16 and in fp8, flag off (``stock``) and on; a page
 object lost from the store before the prefetch (the group's hit ends before it, on every rank);
 a fetch that fails on one rank only (the group inserts the pages before it); a prefetch started
-twice under one request id (the one SGLang forgets is freed too). Besides (:data:`OTHER_CP_SIZE`,
+twice under one request id (the one SGLang forgets is freed too). :data:`BACKEND_RAISES`: on one
+CP rank only, every backend call of a fetch, of an existence query or of a store raises (as a
+Mooncake client whose master is unreachable might), each rank reporting the calls that raised,
+its storage errors counted and logged. Besides (:data:`OTHER_CP_SIZE`,
 :data:`SIZE_BLIND_CONTROL`; the 0.5.23 rig runs both): the round trip, then,
 inside the storing group while its objects are in the store, the request prefetched again under
 the keys of a group of N + 1 (a clean miss); and the same under keys that do not name the CP
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import tempfile
 import traceback
 from dataclasses import dataclass
@@ -72,6 +76,9 @@ class StorageCase:
     other_cp_size: bool = False
     #: every key of the case names no CP size (:class:`.hicache_l3_checks.SizeBlindKeys`)
     size_blind_keys: bool = False
+    #: (rank, operation): on that rank every backend call of the operation (:data:`BACKEND_CALLS`)
+    #: raises :class:`InjectedBackendError` (:func:`raising_backend`)
+    backend_raises: Optional[tuple] = None
 
 
 CASES = (
@@ -85,12 +92,47 @@ CASES = (
 )
 
 
+#: CP rank 1's backend raises on every call of one operation: the KV pages' fetch (the hit ends at
+#: rank 1's first page), the existence query (a query narrowed to rank 1's lane ends the hit at its
+#: first page, a query of every page's key at 0), the store during the backup (rank 1's pages never
+#: reach the store; the prefetch ends at the first); and CP rank 0's fetch (it holds the first
+#: page: nothing is fetched into the prefetch's allocated host pages, which all go back)
+BACKEND_RAISES = (
+    StorageCase("fetch_raises_on_rank_1", seed=110, backend_raises=(1, "fetch")),
+    StorageCase("query_raises_on_rank_1", seed=111, backend_raises=(1, "query")),
+    StorageCase("store_raises_on_rank_1", seed=112, backend_raises=(1, "store")),
+    StorageCase("fetch_raises_on_rank_0", seed=113, backend_raises=(0, "fetch")),
+)
+
+
 #: the round trip, then the request prefetched again under the keys of a group of N + 1 while the
 #: objects this group stored are still in the store: a clean miss (a group's objects live in the
 #: store segments its own clients mount, so a group started after this one exits finds none anyway)
 OTHER_CP_SIZE = StorageCase("other_cp_size_misses", seed=108, other_cp_size=True)
 #: the negative control of OTHER_CP_SIZE: the same under keys that do not name the CP size, which hits
 SIZE_BLIND_CONTROL = StorageCase("size_blind_keys_control", seed=109, other_cp_size=True, size_blind_keys=True)
+
+
+#: the backend methods the sharded storage calls for each operation a case can make raise
+BACKEND_CALLS = {"fetch": ("batch_get_v1", "batch_get_v2"), "store": ("batch_set_v1", "batch_set_v2"),
+                 "query": ("batch_exists", "batch_exists_v2")}
+
+
+class InjectedBackendError(ConnectionError):
+    """What a backend call raises in a ``backend_raises`` case."""
+
+
+@contextlib.contextmanager
+def _methods_replaced(backend, methods: dict):
+    """Within the block, ``backend``'s methods ``methods`` (name -> replacement) are replaced on the
+    instance (the class's come back after it)."""
+    for name, method in methods.items():
+        setattr(backend, name, method)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(backend, name)
 
 
 @contextlib.contextmanager
@@ -100,19 +142,89 @@ def failing_fetches(case: StorageCase, rank: int, storage, hashes_seen: List[str
     if case.fail_fetch is None or case.fail_fetch[0] != rank:
         yield
         return
-    backend = storage.backend
-    original = backend.batch_get_v1
+    original = storage.backend.batch_get_v1
 
     def failing_get(keys, host_indices, extra_info=None):
         got = original(keys, host_indices, extra_info)
         failing = set(storage.keys(hashes_seen[case.fail_fetch[1]:]))
         return [ok and key not in failing for key, ok in zip(keys, got)]
 
-    backend.batch_get_v1 = failing_get
-    try:
+    with _methods_replaced(storage.backend, {"batch_get_v1": failing_get}):
         yield
+
+
+def _call_keys(keys_or_transfers) -> List[str]:
+    """The page keys of a backend call's first argument (keys, or v2 pool transfers)."""
+    items = list(keys_or_transfers or ())
+    if items and not isinstance(items[0], str):
+        return [key for transfer in items for key in (transfer.keys or ())]
+    return items
+
+
+@contextlib.contextmanager
+def raising_backend(case: StorageCase, rank: int, storage):
+    """Within the block, on the rank ``case.backend_raises`` names, every backend call of its
+    operation raises :class:`InjectedBackendError`. Yields the keys of each call that raised."""
+    raised: List[List[str]] = []
+    if case.backend_raises is None or case.backend_raises[0] != rank:
+        yield raised
+        return
+
+    def raising(name):
+        def call(keys_or_transfers, *args, **kwargs):
+            raised.append(_call_keys(keys_or_transfers))
+            raise InjectedBackendError(f"(injected) {name}: the Mooncake master is unreachable")
+        return call
+
+    with _methods_replaced(storage.backend, {name: raising(name) for name in BACKEND_CALLS[case.backend_raises[1]]}):
+        yield raised
+
+
+class _ExceptionRecords(logging.Handler):
+    """Keeps ``[level, message, exception type]`` of each record logged with an exception."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.records: List[list] = []
+
+    def emit(self, record):
+        if record.exc_info:
+            self.records.append([record.levelname, record.getMessage(), record.exc_info[0].__name__])
+
+
+@contextlib.contextmanager
+def storage_error_logs():
+    """Within the block, what the plugin's HiCache modules log with an exception at WARNING or
+    above (yields the list of ``[level, message, exception type]``)."""
+    handler = _ExceptionRecords()
+    logger = logging.getLogger("sglang_cp_shared_kv.hicache")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
     finally:
-        del backend.batch_get_v1
+        logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
+def storage_faults(case: StorageCase, rank: int, storage, kv_host, hashes_seen: List[str]):
+    """Within the block, the case's injected faults on this rank (:func:`failing_fetches`,
+    :func:`raising_backend`). Yields a dict the block's end fills with what the parent checks of a
+    ``backend_raises`` case: ``backend_raised`` (the calls that raised and their pages, by index
+    among ``hashes_seen``), ``storage_errors`` (this rank's counted storage errors) and
+    ``storage_error_logs`` (:func:`storage_error_logs`)."""
+    counts = getattr(kv_host, "counts", None)
+    errors_before = dict(getattr(counts, "storage_errors", {}))
+    report: dict = {}
+    with storage_error_logs() as logs, raising_backend(case, rank, storage) as raised, \
+            failing_fetches(case, rank, storage, hashes_seen):
+        yield report
+    page_of = dict(zip(storage.keys(hashes_seen), range(len(hashes_seen)))) if raised else {}  # (stock: no keys)
+    report["backend_raised"] = {"calls": len(raised),
+                                "pages": sorted({page_of[key] for keys in raised for key in keys if key in page_of})}
+    report["storage_errors"] = {op: count - errors_before.get(op, 0)
+                                for op, count in getattr(counts, "storage_errors", {}).items()}
+    report["storage_error_logs"] = logs
+    report["query_in_lanes"] = hasattr(storage, "query_for")  # (the query asks for this rank's pages only)
 
 
 def _keys(hashes: List[str], suffix: str) -> List[str]:
@@ -169,7 +281,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
     with contextlib.ExitStack() as stack:
         if case.size_blind_keys:
             stack.enter_context(attributes_set(storage, keys=SizeBlindKeys(n)))
-        with failing_fetches(case, rank, storage, hashes_seen):
+        with storage_faults(case, rank, storage, kv_host, hashes_seen) as faults:
             trip = storage_round_trip(cache, request, access=access, req_id=f"{case.name}-req",
                                       before_prefetch=before_prefetch, released=released,
                                       prefetches=2 if case.prefetch_twice else 1)
@@ -194,6 +306,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
         "pages_copied": copied, "backup_skip": bool(controller.backup_skip),
         "sharded": type(storage).__name__ == "PrefetchLaneStorage",
         "host_tokens_after_detach": host_after_detach, "prefetch_lanes": prefetch_lanes, "other_size": other_size,
+        **faults,
     }
 
 
@@ -216,7 +329,7 @@ def _rank_main(rank, n, port, out_dir, cases, extra):
     finish_rank(out_dir, rank, result)
 
 
-def run_storage_group(n: int, extra: dict, cases=CASES + (OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
+def run_storage_group(n: int, extra: dict, cases=CASES + BACKEND_RAISES + (OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
                       timeout_s: float = 300.0) -> List[Dict[str, dict]]:
     """Each rank's outcome of every case (module docstring), indexed [rank][case name];
     ``extra``: the Mooncake backend configuration (:meth:`.mooncake_master.MooncakeMaster.extra_config`)."""
@@ -229,4 +342,6 @@ def run_storage_group(n: int, extra: dict, cases=CASES + (OTHER_CP_SIZE, SIZE_BL
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL", "StorageCase", "failing_fetches", "run_storage_group"]
+__all__ = ["BACKEND_CALLS", "BACKEND_RAISES", "CASES", "InjectedBackendError", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL",
+           "StorageCase", "failing_fetches", "raising_backend", "run_storage_group", "storage_error_logs",
+           "storage_faults"]

@@ -8,9 +8,11 @@ hooks, and per case builds SGLang 0.5.23's real ``UnifiedRadixCache`` and
 ``HybridCacheController`` with its ``MooncakeStore`` client and storage threads, and runs
 :func:`storage_round_trip`: device -> host -> store, evicted from device and host, prefetched
 from the store (``prefetch_from_storage`` and ``check_prefetch_progress`` as the scheduler calls
-them), loaded back. Each rank reports what the parent test asserts (``errors``: the bytes a
-forward's dense view reads after the load against what was written; the hits; the host tier's
-audit; this rank's pages stored and fetched; which keys the store holds).
+them), loaded back; in :data:`.hicache_l3_v0512.BACKEND_RAISES`, with one CP rank's backend
+raising on every call of one operation. Each rank reports what the parent test asserts
+(``errors``: the bytes a forward's dense view reads after the load against what was written; the
+hits; the host tier's audit; this rank's pages stored and fetched; which keys the store holds; the
+backend calls that raised, counted and logged).
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ from sglang_cp_shared_kv_testing.hicache_cp_v0523 import (
 )
 from sglang_cp_shared_kv_testing.hicache_l3_checks import SizeBlindKeys, lookup_as_other_cp_size
 from sglang_cp_shared_kv_testing.hicache_l3_v0512 import (
+    BACKEND_RAISES,
     CASES,
     OTHER_CP_SIZE,
     SIZE_BLIND_CONTROL,
     StorageCase,
-    failing_fetches,
+    storage_faults,
 )
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     PAGE,
@@ -98,12 +101,24 @@ def poison_host(cache, seed: int) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
 
 
+def host_releases_drained(cache) -> bool:
+    """No host page waits in the controller's release queues on any rank (an agreed answer: the
+    MAX over the group). Stock frees a prefetch's unused host pages through them, a few scheduler
+    steps after the prefetch is done."""
+    controller = cache.cache_controller
+    queues = [controller.host_mem_release_queue, *getattr(controller, "extra_host_mem_release_queues", {}).values()]
+    pending = torch.tensor(sum(queue.qsize() for queue in queues), dtype=torch.int)
+    cache._all_reduce(pending, torch.distributed.ReduceOp.MAX)
+    return int(pending.item()) == 0
+
+
 def storage_round_trip(cache, request: HiCacheRequest, access, *, req_id: str, store: bool = True,
                        before_prefetch=None, prefetches: int = 1, audit: bool = True) -> StorageTrip:
     """One request through the storage tier of ``cache``: place and insert it (write-through
     backs it up to host, and from host to the store), evict it from device and host memory,
     poison both, prefetch it from the store (``prefetches`` times under one request handle; SGLang
     ignores a prefetch of a request it already tracks), load the host hit back, read it; then
+    await the release of the prefetch's unused host pages (:func:`host_releases_drained`),
     evict everything and audit the host tier (``StorageTrip.host_tokens``: (free host tokens, the
     host tier's size) with nothing in device or host memory). ``store=False``: only the prefetch;
     ``audit=False``: no audit (``host_tokens`` empty), the loaded-back pages left in the device
@@ -140,6 +155,9 @@ def storage_round_trip(cache, request: HiCacheRequest, access, *, req_id: str, s
     if match.host_hit_length:
         _loaded, new_locs, steps["loaded"] = load_back(cache, match)
     device_bytes = access.read(pool, new_locs)
+    if audit:  # (a prefetch that loaded nothing back gives no load-back's steps for the releases)
+        steps["released"] = settle(cache, lambda: host_releases_drained(cache),
+                                   what="the release of the prefetch's host pages")
     return StorageTrip(stored_hashes=hashes, device_hit_before=before.device_prefix_len,
                        host_hit_before=before.host_hit_length, loaded_tokens=loaded,
                        host_hit_length=match.host_hit_length, new_locs=new_locs,
@@ -212,7 +230,7 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
         with contextlib.ExitStack() as keys:
             if case.size_blind_keys:  # the negative control of the other-CP-size check
                 keys.enter_context(attributes_set(storage, keys=SizeBlindKeys(n)))
-            with failing_fetches(case, rank, storage, hashes_seen):
+            with storage_faults(case, rank, storage, kv_host, hashes_seen) as faults:
                 trip = storage_round_trip(cache, request, access, req_id=f"{case.name}-req",
                                           before_prefetch=before_prefetch, prefetches=2 if case.prefetch_twice else 1)
             copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
@@ -238,7 +256,7 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
             "stored": stored, "pages_copied": copied, "backup_skip": bool(controller.backup_skip),
             "sharded": isinstance(storage, ShardedStorage), "detached": ok, "detach_message": message,
             "host_tokens_after_detach": list(_free_host_tokens(cache)), "prefetch_lanes": prefetch_lanes,
-            "key_prefix": backend.config_prefix, "other_size": other_size, "l3_layout": l3_layout,
+            "key_prefix": backend.config_prefix, "other_size": other_size, "l3_layout": l3_layout, **faults,
         }
 
 
@@ -262,7 +280,7 @@ def _rank_main(rank, n, port, out_dir, cases, model_dir, extra):
 
 
 def run_storage_group(n: int, model_dir: str, extra: dict,
-                      cases=CASES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
+                      cases=CASES + BACKEND_RAISES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL), *,
                       timeout_s: float = 300.0) -> List[Dict[str, dict]]:
     """Each rank's outcome of every case (module docstring), indexed [rank][case name];
     ``extra``: the Mooncake backend configuration (:meth:`.mooncake_master.MooncakeMaster.extra_config`)."""
@@ -275,5 +293,6 @@ def run_storage_group(n: int, model_dir: str, extra: dict,
     return [{c["name"]: c for c in r["cases"]} for r in per_rank]
 
 
-__all__ = ["CASES", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL", "TAGGED", "StorageCase", "evict_everything", "object_keys", "run_storage_group",
+__all__ = ["BACKEND_RAISES", "CASES", "OTHER_CP_SIZE", "SIZE_BLIND_CONTROL", "TAGGED", "StorageCase", "evict_everything",
+           "host_releases_drained", "object_keys", "run_storage_group",
            "storage_round_trip", "storage_server_args"]

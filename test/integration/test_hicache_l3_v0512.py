@@ -3,24 +3,32 @@
 loopback (``sglang_cp_shared_kv_testing.hicache_l3_v0512``): each rank stores and fetches only its
 own pages under keys naming the CP size; the bytes loaded back after a prefetch equal what was
 written (and the stock run's); a lost object or a failed fetch on one rank shortens the group's
-hit on every rank alike; a group of another CP size misses what this group stored while it is in
-the store, and would hit it under keys that do not name the CP size (the negative control); no
-host page leaks, also of a prefetch SGLang stopped tracking."""
+hit on every rank alike, and so does a backend call that raises on one rank (a fetch, an existence
+query or a store), counted and logged there; a group of another CP size misses what this group
+stored while it is in the store, and would hit it under keys that do not name the CP size (the
+negative control); no host page leaks, also of a prefetch SGLang stopped tracking."""
 
 import pytest
 
 from sglang_cp_shared_kv_testing.hicache_l3_checks import (
     PAGE,
+    check_backend_error_contained,
     check_no_leak,
     check_other_cp_size_misses,
     check_own_pages,
     check_round_trip,
     check_the_miss_check_fails_without_cp_size_keys,
 )
-from sglang_cp_shared_kv_testing.hicache_l3_v0512 import CASES, OTHER_CP_SIZE, SIZE_BLIND_CONTROL, run_storage_group
+from sglang_cp_shared_kv_testing.hicache_l3_v0512 import (
+    BACKEND_RAISES,
+    CASES,
+    OTHER_CP_SIZE,
+    SIZE_BLIND_CONTROL,
+    run_storage_group,
+)
 from sglang_cp_shared_kv_testing.mooncake_master import mooncake_master
 
-ALL = CASES + (OTHER_CP_SIZE, SIZE_BLIND_CONTROL)
+ALL = CASES + BACKEND_RAISES + (OTHER_CP_SIZE, SIZE_BLIND_CONTROL)
 CASE = {case.name: case for case in ALL}
 SHARDED = [case.name for case in ALL if case.flag and not case.size_blind_keys]
 
@@ -84,3 +92,14 @@ def test_the_other_cp_size_check_fails_when_keys_do_not_name_the_cp_size(group_r
     (``<hash>@cp`` for a group of any size) finds and loads back the whole request under the keys
     of a group of N + 1, so the check above fails on it."""
     check_the_miss_check_fails_without_cp_size_keys(SIZE_BLIND_CONTROL, group_run[2])
+
+
+@pytest.mark.parametrize("name", [case.name for case in BACKEND_RAISES])
+def test_a_backend_call_raising_on_one_rank_fails_only_its_pages_counted_and_logged(group_run, name):
+    """One CP rank's backend (rank 1's; rank 0's, holding the first page, for a second fetch) raises
+    on every call of a fetch, an existence query or a store (a Mooncake master out of reach). Stock
+    0.5.12.post1 lets the raise end that rank's storage thread (I/O, prefetch or backup), and the
+    other ranks then wait for it at their next MIN: the rig's prefetch or backup never settles.
+    Here the run completes on every rank, the raise counted and logged on that rank alone; the
+    agreed hit, bytes and host pages are the tests above."""
+    check_backend_error_contained(CASE[name], group_run[2])

@@ -4,15 +4,17 @@ Mooncake backend against a real Mooncake store on loopback
 (``sglang_cp_shared_kv_testing.hicache_l3_v0523``). Each rank stores and fetches only its own
 pages under keys naming the CP size; the bytes loaded back after a prefetch equal what was
 written (and the stock run's), bf16 and fp8; a lost object or a failed fetch on one rank shortens
-the group's hit on every rank alike; a group of another CP size misses; the key tag of the extra
-config is applied once; no host page leaks (stock frees a prefetch's host pages on the scheduler
-thread, by agreed counts, on every rank alike)."""
+the group's hit on every rank alike, and so does a backend call that raises on one rank (a fetch,
+an existence query or a store), counted and logged there; a group of another CP size misses; the
+key tag of the extra config is applied once; no host page leaks (stock frees a prefetch's host
+pages on the scheduler thread, by agreed counts, on every rank alike)."""
 
 import pytest
 
 from sglang_cp_shared_kv.releases import installed, v0523
 from sglang_cp_shared_kv_testing.hicache_l3_checks import (
     PAGE,
+    check_backend_error_contained,
     check_no_leak,
     check_other_cp_size_misses,
     check_own_pages,
@@ -20,6 +22,7 @@ from sglang_cp_shared_kv_testing.hicache_l3_checks import (
     check_the_miss_check_fails_without_cp_size_keys,
 )
 from sglang_cp_shared_kv_testing.hicache_l3_v0523 import (
+    BACKEND_RAISES,
     CASES,
     OTHER_CP_SIZE,
     SIZE_BLIND_CONTROL,
@@ -32,7 +35,7 @@ from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 pytestmark = pytest.mark.skipif(installed.INSTALLED is not v0523.RELEASE,
                                 reason=f"needs sglang {v0523.RELEASE.version}")
 
-ALL = CASES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL)
+ALL = CASES + BACKEND_RAISES + (TAGGED, OTHER_CP_SIZE, SIZE_BLIND_CONTROL)
 CASE = {case.name: case for case in ALL}
 SHARDED = [case.name for case in ALL if case.flag and not case.size_blind_keys]
 
@@ -118,3 +121,14 @@ def test_the_external_l3_layout_is_off_under_the_flag_saying_why(group_run):
             ours = cases[name]["l3_layout"]
             assert not ours["enabled"] and ours["reason"] == SHARDED_L3_LAYOUT_REASON, (rank, name, ours)
             assert ours["hicache_object_layout"]["pools"] == [] and ours["page_size"] == PAGE, (rank, name)
+
+
+@pytest.mark.parametrize("name", [case.name for case in BACKEND_RAISES])
+def test_a_backend_call_raising_on_one_rank_is_its_own_pages_failing_counted_and_logged(group_run, name):
+    """One CP rank's backend raises on every call of a fetch, an existence query or a store. Stock
+    0.5.23 catches each of these itself, a fetch batch as none of its pages (the group's hit 0);
+    under the flag the sharded storage turns the raise into that rank's own pages failing, counted
+    and logged on it alone, so the hit ends where it does on 0.5.12.post1 (the tests above; a
+    fetch raising on rank 0, which holds the first page, also frees every host page of the
+    prefetch it fetched nothing into)."""
+    check_backend_error_contained(CASE[name], group_run[2])

@@ -21,22 +21,45 @@ backend:
   before it asks narrows the query to the rank's lane instead
   (:class:`.storage_v0512.PrefetchLaneStorage`).
 
+A backend call that raises (a Mooncake client whose master is out of reach, say) is this rank's
+pages failing, never an exception out of the storage tier (:meth:`ShardedStorage._call_backend`):
+a fetch's or a store's own pages read as failed, an existence query finds none of its pages. So
+the rank's storage threads live on and reach the same agreement points as the other ranks, whose
+MIN then shortens the group's hit on every rank alike (a store that raised leaves the rank's pages
+out of the store, which a later prefetch finds missing). Each such call is logged with its
+exception (ERROR, naming the rank, the operation and its pages) and counted through
+``errors(operation)``.
+
 The pages a rank stores and fetches are counted through ``metrics(direction, pages)`` (the KV
-host pool's ``count_copied_pages``: directions ``stored`` and ``fetched``).
+host pool's ``count_copied_pages``: directions ``stored`` and ``fetched``); its backend calls that
+raised through ``errors(operation)`` (the KV host pool's ``counts.count_storage_error``:
+operations ``fetch``, ``store``, ``query``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
+from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
 
 logger = logging.getLogger(__name__)
 
+Result = TypeVar("Result")
+
+#: what follows for the CP group from a backend call that raised, by operation (its log line)
+_AFTER_A_RAISE = {
+    "fetch": "they count as not fetched: the CP group's agreed hit ends at the first of them on every rank, "
+             "the rest is recomputed",
+    "store": "they count as not stored: a later prefetch of them ends at the first on every rank, the rest is "
+             "recomputed",
+    "query": "it counts as finding none of them: the CP group's agreed hit ends at the first on every rank, the "
+             "rest is recomputed",
+}
 
 class ShardKeys:
     """``key(h) = f"{h}@cp{N}"``: a page hash in the namespace of a CP group of N (stateless)."""
@@ -52,12 +75,14 @@ class ShardedStorage:
     """The storage backend as one CP rank uses it (module docstring). Every attribute it does
     not define is the backend's (stats, ``clear``, ``close``, registration, ...)."""
 
-    def __init__(self, backend, rule: HostPageRule, metrics: Optional[Callable[[str, int], None]] = None):
+    def __init__(self, backend, rule: HostPageRule, metrics: Optional[Callable[[str, int], None]] = None,
+                 errors: Optional[Callable[[str], None]] = None):
         self.backend = backend
         self.rule = rule
         self.cp_rank = rule.layout.cp_rank
         self.keys = ShardKeys(rule.cp_size)
         self._metrics = metrics
+        self._errors = errors
 
     def __getattr__(self, name):
         # NOTE: only reached for names this class does not define
@@ -88,6 +113,29 @@ class ShardedStorage:
         if self._metrics is not None:
             self._metrics(direction, sum(1 for ok in results if ok))
 
+    def _call_backend(self, operation: str, pages: int, call: Callable[[], Result],
+                      failed: Callable[[], Result]) -> Result:
+        """``call()``: the backend's ``operation`` (``fetch``, ``store`` or ``query``) on ``pages``
+        pages (a fetch's or a store's: this rank's own). If it raises, ``failed()`` (those pages
+        failed, or none found), the exception logged and counted (module docstring)."""
+        try:
+            return call()
+        except Exception:
+            # NOTE: never re-raised: a storage thread of SGLang's that a raise ends (0.5.12.post1's
+            # I/O, prefetch and backup threads) leaves the other ranks waiting for this one at their
+            # next agreement (a MIN) forever; 0.5.23 catches some of these calls, each its own way
+            logger.exception("CP shared KV HiCache storage: CP rank %d: the storage backend %s raised in a %s of "
+                             "%d page(s); %s", self.cp_rank, type(self.backend).__name__, operation, pages,
+                             _AFTER_A_RAISE[operation])
+            if self._errors is not None:
+                self._errors(operation)
+            return failed()
+
+    @staticmethod
+    def _query_miss():
+        """An existence query (v2) that found no page."""
+        return sg.PoolTransferResult.empty()
+
     def _fetched(self, host_indices: torch.Tensor, positions: List[int], got: Sequence[bool]) -> List[bool]:
         """This rank's KV fetch results as counted (a subclass may withhold pages)."""
         return [bool(ok) for ok in got]
@@ -100,7 +148,9 @@ class ShardedStorage:
         positions, rows = self._own(host_indices)
         if not positions:
             return [True] * len(keys)
-        got = self.backend.batch_get_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
+        own_keys = self.keys([keys[i] for i in positions])
+        got = self._call_backend("fetch", len(positions), lambda: self.backend.batch_get_v1(own_keys, rows, extra_info),
+                                 lambda: [False] * len(positions))
         got = self._fetched(host_indices, positions, got)
         self._count("fetched", got)
         return self._expand(got, positions, len(keys))
@@ -109,7 +159,9 @@ class ShardedStorage:
         positions, rows = self._own(host_indices)
         if not positions:
             return [True] * len(keys)
-        done = self.backend.batch_set_v1(self.keys([keys[i] for i in positions]), rows, extra_info)
+        own_keys = self.keys([keys[i] for i in positions])
+        done = self._call_backend("store", len(positions), lambda: self.backend.batch_set_v1(own_keys, rows, extra_info),
+                                  lambda: [False] * len(positions))
         self._count("stored", done)
         return self._expand(done, positions, len(keys))
 
@@ -127,7 +179,10 @@ class ShardedStorage:
     def _v2(self, transfers, extra_info, *, store: bool) -> dict:
         own, where = self._own_transfers(transfers)
         io = self.backend.batch_set_v2 if store else self.backend.batch_get_v2
-        results = io(own, extra_info) if own else {}
+        results = {}
+        if own:
+            results = self._call_backend("store" if store else "fetch", sum(len(t.keys) for t in own),
+                                         lambda: io(own, extra_info), lambda: {t.name: [False] * len(t.keys) for t in own})
         out = {name: self._expand(results.get(name, []), positions, pages)
                for name, (positions, pages) in where.items()}
         if not store:
@@ -148,10 +203,14 @@ class ShardedStorage:
         return [dataclasses.replace(t, keys=self.keys(t.keys)) if t.keys else t for t in transfers]
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:
-        return self.backend.batch_exists(self.keys(keys), extra_info)
+        return self._call_backend("query", len(keys), lambda: self.backend.batch_exists(self.keys(keys), extra_info),
+                                  lambda: 0)
 
     def batch_exists_v2(self, keys: List[str], pool_transfers=None, extra_info=None):
-        return self.backend.batch_exists_v2(self.keys(keys), self._keyed(pool_transfers), extra_info)
+        return self._call_backend(
+            "query", len(keys),
+            lambda: self.backend.batch_exists_v2(self.keys(keys), self._keyed(pool_transfers), extra_info),
+            self._query_miss)
 
 
 def shard_controller_storage(controller, storage_class=ShardedStorage,
@@ -169,7 +228,7 @@ def shard_controller_storage(controller, storage_class=ShardedStorage,
         return None
     if isinstance(backend, ShardedStorage):
         return backend
-    storage = storage_class(backend, host.rule, metrics=host.count_copied_pages)
+    storage = storage_class(backend, host.rule, metrics=host.count_copied_pages, errors=host.counts.count_storage_error)
     controller.storage_backend = storage
     if every_rank_stores is not None:
         every_rank_stores(controller)

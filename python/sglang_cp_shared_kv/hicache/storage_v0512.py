@@ -10,7 +10,8 @@ prefetch needs besides:
   up to its first missing one, which SGLang's own MIN over the attention-CP group (the prefetch
   thread's) turns into the group's hit; a page lost between the query and the fetch shortens
   what the owner fetched, and SGLang's MIN in ``check_prefetch_progress`` shortens the group's
-  insert the same way;
+  insert the same way; a query that raises finds none of this rank's pages (the hit ends at its
+  first, :meth:`.storage.ShardedStorage._call_backend`);
 * a page fetched without its index K counts as not fetched (0.5.12.post1 counts a prefetch by
   its KV pages only; its storage thread fetches the index pages first).
 
@@ -48,8 +49,8 @@ class PrefetchLaneStorage(ShardedStorage):
     :class:`.storage.ShardedStorage`, with the existence query of a prefetch narrowed to the
     pages of this rank's lane, and a page fetched without its index K counted as not fetched."""
 
-    def __init__(self, backend, rule: HostPageRule, metrics=None):
-        super().__init__(backend, rule, metrics)
+    def __init__(self, backend, rule: HostPageRule, metrics=None, errors=None):
+        super().__init__(backend, rule, metrics, errors)
         self._query_lanes = _QueryLanes()
         #: logical host pages of this rank whose index K the last sidecar fetch missed (the
         #: storage thread fetches a prefetch's index pages, then its KV pages)
@@ -81,7 +82,10 @@ class PrefetchLaneStorage(ShardedStorage):
                                "say which of its pages are this rank's)")
         pages = min(len(keys), int(lanes.numel()))
         positions = (lanes[:pages] == self.cp_rank).nonzero().flatten().tolist()
-        found = exists_prefix(self.keys([keys[i] for i in positions])) if positions else 0
+        found = 0
+        if positions:
+            own_keys = self.keys([keys[i] for i in positions])
+            found = self._call_backend("query", len(positions), lambda: exists_prefix(own_keys), lambda: 0)
         return positions[found] if found < len(positions) else pages
 
     def batch_exists(self, keys: List[str], extra_info=None) -> int:

@@ -28,6 +28,8 @@ COMMON_SYMBOLS: SymbolTable = {
     "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
     # --- the decode server (its admission queue)
     "prepare_abort": ("sglang.srt.disaggregation.utils", "prepare_abort"),
+    # --- HiCache's storage tier (L3): an existence query's result (a raising query's miss)
+    "PoolTransferResult": ("sglang.srt.mem_cache.hicache_storage", "PoolTransferResult"),
     # --- the plugin framework
     "HookRegistry": ("sglang.srt.plugins.hook_registry", "HookRegistry"),
     "HookType": ("sglang.srt.plugins.hook_registry", "HookType"),

@@ -30,7 +30,6 @@ SYMBOLS: SymbolTable = {
     "KVTransferError": ("sglang.srt.disaggregation.mooncake.conn", "KVTransferError"),
     # --- HiCache (subclassed: the host pool of one rank's pages)
     "MLATokenToKVPoolHost": ("sglang.srt.mem_cache.memory_pool_host", "MLATokenToKVPoolHost"),
-    "PoolTransferResult": ("sglang.srt.mem_cache.hicache_storage", "PoolTransferResult"),
 }
 
 RELEASE = Release(
