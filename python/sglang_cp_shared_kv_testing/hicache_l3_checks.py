@@ -197,9 +197,10 @@ def check_own_pages(case, ranks: List[Dict[str, dict]]) -> None:
 def check_backend_error_contained(case, ranks: List[Dict[str, dict]]) -> None:
     """On the rank of ``case.backend_raises``, the backend raised (at least once, on pages of its
     own: of its lane for a fetch or a query narrowed to it, every page's key for a query of every
-    page) and each call that raised was counted once as a storage error of that operation and
-    logged once, at WARNING or above with the exception, naming the rank and the operation; no
-    other rank raised, counted or logged one. (The group's agreed outcome: :func:`check_round_trip`,
+    page) and each call that raised was counted once as a storage error of that operation; the
+    first was logged, at WARNING or above with the exception, naming the rank and the operation,
+    and the rest of the run's raises (within a minute: :class:`~sglang_cp_shared_kv.hicache.storage.RaiseStreaks`)
+    were not; no other rank raised, counted or logged one. (The group's agreed outcome: :func:`check_round_trip`,
     :func:`check_own_pages`, :func:`check_no_leak`.)"""
     failing, operation = case.backend_raises
     for rank, cases in enumerate(ranks):
@@ -214,7 +215,7 @@ def check_backend_error_contained(case, ranks: List[Dict[str, dict]]) -> None:
         elif operation == "query":
             assert raised["pages"] == list(range(case.pages)), (rank, raised)
         assert errors.get(operation) == sum(errors.values()) == raised["calls"], (rank, errors, raised)
-        assert len(logs) == raised["calls"], (rank, logs)
+        assert len(logs) == 1, (rank, raised, logs)
         for level, message, exception in logs:
             assert level in ("WARNING", "ERROR") and exception == "InjectedBackendError", (rank, level, exception)
             assert f"CP rank {rank}" in message and operation in message, (rank, message)

@@ -50,8 +50,7 @@ class UnreachableBackend:
 
 def _storage(storage_class=ShardedStorage, metrics_enabled=False):
     counts = HostTierCounts(RANK, metrics_enabled)
-    storage = storage_class(UnreachableBackend(), HostPageRule(CpSharedKVLayout(PAGE, N, RANK)),
-                            metrics=counts.count, errors=counts.count_storage_error)
+    storage = storage_class(UnreachableBackend(), HostPageRule(CpSharedKVLayout(PAGE, N, RANK)), counts)
     return storage, counts
 
 
@@ -94,6 +93,8 @@ def test_a_raising_existence_query_finds_no_page_in_the_shape_of_each_call(caplo
         assert storage.batch_exists(KEYS) == 0
     _errors_logged(caplog, "query", len(KEYS))
     caplog.clear()
+    storage.raises.answered("query")  # (a new streak: its first raise is logged in full)
+    caplog.clear()
     with caplog.at_level(logging.WARNING):
         miss = storage.batch_exists_v2(KEYS, [Transfer("indexer", HOST_INDICES)])
     # (SGLang's own result type, as its caller reads it)
@@ -119,6 +120,44 @@ def test_a_call_that_does_not_raise_is_neither_logged_nor_counted(caplog):
         assert storage.batch_exists(KEYS) == len(KEYS)
     assert not [r for r in caplog.records if r.name.startswith("sglang_cp_shared_kv")]
     assert sum(counts.storage_errors.values()) == 0
+
+
+def test_an_outage_logs_one_traceback_then_a_line_a_minute_then_its_end(caplog, monkeypatch):
+    """Every raise is counted; the log has the streak's first raise with its traceback, one
+    ERROR line per ``REPEAT_S`` while it lasts, and a WARNING when the operation answers again.
+    Each operation has its own streak."""
+    storage, counts = _storage()
+    now = [1000.0]
+    storage.raises.clock = lambda: now[0]
+
+    def ours():
+        records = [r for r in caplog.records if r.name.startswith("sglang_cp_shared_kv")]
+        caplog.clear()
+        return records
+
+    with caplog.at_level(logging.INFO):
+        storage.batch_exists(KEYS)
+        (first,) = ours()
+        assert first.levelno == logging.ERROR and first.exc_info[0] is ConnectionError
+        for _ in range(5):  # within the minute: counted, not logged
+            now[0] += 1
+            storage.batch_exists(KEYS)
+        assert ours() == []
+        storage.batch_get_v1(KEYS, HOST_INDICES)  # another operation: its own first raise
+        (fetch,) = ours()
+        assert fetch.exc_info[0] is ConnectionError and "a fetch of" in fetch.getMessage()
+        now[0] = 1000.0 + storage.raises.REPEAT_S
+        storage.batch_exists(KEYS)
+        (repeat,) = ours()
+        assert repeat.levelno == logging.ERROR and not repeat.exc_info
+        assert "still raises: 7 query call(s)" in repeat.getMessage(), repeat.getMessage()
+        storage.backend.batch_exists = lambda keys, extra_info=None: len(keys)
+        assert storage.batch_exists(KEYS) == len(KEYS)
+        (end,) = ours()
+        assert end.levelno == logging.WARNING and "answers a query again after 7 call(s)" in end.getMessage()
+        storage.batch_exists(KEYS)
+        assert ours() == []
+    assert counts.storage_errors == {"fetch": 1, "store": 0, "query": 7}
 
 
 def test_the_prometheus_counter_counts_each_raise_by_rank_and_operation():

@@ -26,26 +26,27 @@ pages failing, never an exception out of the storage tier (:meth:`ShardedStorage
 a fetch's or a store's own pages read as failed, an existence query finds none of its pages. So
 the rank's storage threads live on and reach the same agreement points as the other ranks, whose
 MIN then shortens the group's hit on every rank alike (a store that raised leaves the rank's pages
-out of the store, which a later prefetch finds missing). Each such call is logged with its
-exception (ERROR, naming the rank, the operation and its pages) and counted through
-``errors(operation)``.
+out of the store, which a later prefetch finds missing). Each such call is counted; the logs say
+it once per outage and operation (:class:`RaiseStreaks`).
 
-The pages a rank stores and fetches are counted through ``metrics(direction, pages)`` (the KV
-host pool's ``count_copied_pages``: directions ``stored`` and ``fetched``); its backend calls that
-raised through ``errors(operation)`` (the KV host pool's ``counts.count_storage_error``:
-operations ``fetch``, ``store``, ``query``).
+What a rank stores and fetches, and its backend calls that raised, are counted in its KV host
+pool's :class:`.metrics.HostTierCounts` (directions ``stored`` and ``fetched``; operations
+``fetch``, ``store``, ``query``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.hicache.metrics import HostTierCounts
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,62 @@ _AFTER_A_RAISE = {
              "rest is recomputed",
 }
 
+
+class RaiseStreaks:
+    """When a raising backend call is logged, per operation: the first raise after a call that
+    answered (a streak's first) at ERROR with its traceback; later raises of the streak as one
+    ERROR line with how many raised, at most every ``repeat_s`` seconds; the first call that
+    answers again at WARNING with the streak's length."""
+
+    # NOTE: 60 s: a store out of reach makes every prefetch, query and backup raise, several a
+    # second on a busy server; one traceback says why, a line a minute says it still holds
+    REPEAT_S = 60.0
+
+    def __init__(self, cp_rank: int, backend_name: str, clock: Callable[[], float] = time.monotonic,
+                 repeat_s: float = REPEAT_S):
+        self.cp_rank = cp_rank
+        self.backend_name = backend_name
+        self.clock = clock
+        self.repeat_s = repeat_s
+        #: operation -> [calls that raised in the streak, when the last ERROR line was written]
+        self._streaks: Dict[str, List[float]] = {}
+        # (SGLang's storage threads, prefetch and backup, call the backend concurrently)
+        self._lock = threading.Lock()
+
+    def raised(self, operation: str, pages: int) -> None:
+        """Log a raise of ``operation`` on ``pages`` pages; call inside the ``except`` block."""
+        now = self.clock()
+        with self._lock:
+            streak = self._streaks.get(operation)
+            first = streak is None
+            if first:
+                streak = self._streaks[operation] = [1, now]
+            else:
+                streak[0] += 1
+            repeat = not first and now - streak[1] >= self.repeat_s
+            if repeat:
+                streak[1] = now
+            raised = int(streak[0])
+        if first:
+            logger.exception("CP shared KV HiCache storage: CP rank %d: the storage backend %s raised in a %s of "
+                             "%d page(s); %s", self.cp_rank, self.backend_name, operation, pages,
+                             _AFTER_A_RAISE[operation])
+        elif repeat:
+            logger.error("CP shared KV HiCache storage: CP rank %d: the storage backend %s still raises: %d %s call(s) "
+                         "raised since its first raise (the last on %d page(s)); each time %s", self.cp_rank,
+                         self.backend_name, raised, operation, pages, _AFTER_A_RAISE[operation])
+
+    def answered(self, operation: str) -> None:
+        """A call of ``operation`` returned: a streak of raises, if any, ends (logged)."""
+        if operation not in self._streaks:  # (the common case, without the lock)
+            return
+        with self._lock:
+            streak = self._streaks.pop(operation, None)
+        if streak is not None:
+            logger.warning("CP shared KV HiCache storage: CP rank %d: the storage backend %s answers a %s again "
+                           "after %d call(s) that raised", self.cp_rank, self.backend_name, operation, int(streak[0]))
+
+
 class ShardKeys:
     """``key(h) = f"{h}@cp{N}"``: a page hash in the namespace of a CP group of N (stateless)."""
 
@@ -75,14 +132,13 @@ class ShardedStorage:
     """The storage backend as one CP rank uses it (module docstring). Every attribute it does
     not define is the backend's (stats, ``clear``, ``close``, registration, ...)."""
 
-    def __init__(self, backend, rule: HostPageRule, metrics: Optional[Callable[[str, int], None]] = None,
-                 errors: Optional[Callable[[str], None]] = None):
+    def __init__(self, backend, rule: HostPageRule, counts: HostTierCounts):
         self.backend = backend
         self.rule = rule
         self.cp_rank = rule.layout.cp_rank
         self.keys = ShardKeys(rule.cp_size)
-        self._metrics = metrics
-        self._errors = errors
+        self.counts = counts
+        self.raises = RaiseStreaks(self.cp_rank, type(backend).__name__)
 
     def __getattr__(self, name):
         # NOTE: only reached for names this class does not define
@@ -110,8 +166,7 @@ class ShardedStorage:
         return out
 
     def _count(self, direction: str, results: Sequence[bool]) -> None:
-        if self._metrics is not None:
-            self._metrics(direction, sum(1 for ok in results if ok))
+        self.counts.count(direction, sum(1 for ok in results if ok))
 
     def _call_backend(self, operation: str, pages: int, call: Callable[[], Result],
                       failed: Callable[[], Result]) -> Result:
@@ -119,17 +174,16 @@ class ShardedStorage:
         pages (a fetch's or a store's: this rank's own). If it raises, ``failed()`` (those pages
         failed, or none found), the exception logged and counted (module docstring)."""
         try:
-            return call()
+            result = call()
         except Exception:
             # NOTE: never re-raised: a storage thread of SGLang's that a raise ends (0.5.12.post1's
             # I/O, prefetch and backup threads) leaves the other ranks waiting for this one at their
             # next agreement (a MIN) forever; 0.5.23 catches some of these calls, each its own way
-            logger.exception("CP shared KV HiCache storage: CP rank %d: the storage backend %s raised in a %s of "
-                             "%d page(s); %s", self.cp_rank, type(self.backend).__name__, operation, pages,
-                             _AFTER_A_RAISE[operation])
-            if self._errors is not None:
-                self._errors(operation)
+            self.raises.raised(operation, pages)
+            self.counts.count_storage_error(operation)
             return failed()
+        self.raises.answered(operation)
+        return result
 
     @staticmethod
     def _query_miss():
@@ -228,7 +282,7 @@ def shard_controller_storage(controller, storage_class=ShardedStorage,
         return None
     if isinstance(backend, ShardedStorage):
         return backend
-    storage = storage_class(backend, host.rule, metrics=host.count_copied_pages, errors=host.counts.count_storage_error)
+    storage = storage_class(backend, host.rule, host.counts)
     controller.storage_backend = storage
     if every_rank_stores is not None:
         every_rank_stores(controller)
@@ -238,4 +292,4 @@ def shard_controller_storage(controller, storage_class=ShardedStorage,
     return storage
 
 
-__all__ = ["ShardKeys", "ShardedStorage", "shard_controller_storage"]
+__all__ = ["RaiseStreaks", "ShardKeys", "ShardedStorage", "shard_controller_storage"]

@@ -38,6 +38,7 @@ import torch
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.hicache.host_lanes import HostPageRule
+from sglang_cp_shared_kv.hicache.metrics import HostTierCounts
 from sglang_cp_shared_kv.hicache.storage import ShardedStorage
 from sglang_cp_shared_kv.scoped import attributes_set
 from sglang_cp_shared_kv.settings.config import FLAG
@@ -49,8 +50,8 @@ class PrefetchLaneStorage(ShardedStorage):
     :class:`.storage.ShardedStorage`, with the existence query of a prefetch narrowed to the
     pages of this rank's lane, and a page fetched without its index K counted as not fetched."""
 
-    def __init__(self, backend, rule: HostPageRule, metrics=None, errors=None):
-        super().__init__(backend, rule, metrics, errors)
+    def __init__(self, backend, rule: HostPageRule, counts: HostTierCounts):
+        super().__init__(backend, rule, counts)
         self._query_lanes = _QueryLanes()
         #: logical host pages of this rank whose index K the last sidecar fetch missed (the
         #: storage thread fetches a prefetch's index pages, then its KV pages)
