@@ -73,18 +73,21 @@ def _every_rank_stores(controller) -> None:
     controller.storage_config = dataclasses.replace(controller.storage_config, is_mla_model=False)
 
 
-def shard_storage_backend(result, controller, *args, **kwargs):
-    from sglang_cp_shared_kv.hicache.storage import shard_controller_storage
-
-    shard_controller_storage(controller, every_rank_stores=_every_rank_stores)
-    return result
-
-
 #: why the external L3 lookup is off for a sharded storage tier (the layout's ``reason``)
 SHARDED_L3_LAYOUT_REASON = (
     "CP-sharded HiCache storage (--enable-prefill-cp-shared-kv): each page is stored once, by the CP rank that "
     "owns it, under <hash>@cp<N> (N the prefill's CP size); the external L3 object layout names no such "
     "key, so external L3 lookup is off for this server (its own prefetches hit as usual)")
+
+
+def shard_storage_backend(result, controller, *args, **kwargs):
+    from sglang_cp_shared_kv.hicache.storage import ShardedStorage, shard_controller_storage
+
+    attached = isinstance(getattr(controller, "storage_backend", None), ShardedStorage)
+    if shard_controller_storage(controller, every_rank_stores=_every_rank_stores) is not None and not attached:
+        # (said once per attached backend; describe_sharded_l3_layout answers every query)
+        logger.info("HiCache external L3 layout: off (%s)", SHARDED_L3_LAYOUT_REASON)
+    return result
 
 
 def describe_sharded_l3_layout(result, scheduler, *args, **kwargs):
@@ -95,8 +98,5 @@ def describe_sharded_l3_layout(result, scheduler, *args, **kwargs):
         return result
     # NOTE: stock already answers "off" here (the wrapper is no MooncakeStore) but says Mooncake is
     # not attached; a layout without the @cp<N> suffix would send a router to keys nobody wrote
-    if not getattr(scheduler, "_cp_shared_kv_l3_layout_logged", False):
-        scheduler._cp_shared_kv_l3_layout_logged = True
-        logger.info("HiCache external L3 layout: off (%s)", SHARDED_L3_LAYOUT_REASON)
     return {**result, "enabled": False, "backend": "mooncake", "hicache_object_layout": {"pools": []},
             "reason": SHARDED_L3_LAYOUT_REASON}
