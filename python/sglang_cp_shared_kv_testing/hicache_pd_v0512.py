@@ -76,6 +76,8 @@ SEED_OFFSET = {"bf16": 0, "fp8_e4m3": 1000}
 REQUEST_PAGES = 6
 PHYSICAL_PAGES = 8  #: device pages per prefill rank
 DEADLINE_S = 120.0  #: each wait of a process (decode's receive, a rank's wait for decode)
+#: the gloo group's timeout: a rank stuck in a collective fails the run instead of hanging it
+GROUP_TIMEOUT_S = 120
 DONE_FILE = "decode-done"
 
 
@@ -144,7 +146,7 @@ class HiCachePrefill0512:
 
         from sglang_cp_shared_kv_testing.pd.releases import release
 
-        group = gloo_attention_cp_group(rank, n, port, local_rank=rank, timeout_s=120)
+        group = gloo_attention_cp_group(rank, n, port, local_rank=rank, timeout_s=GROUP_TIMEOUT_S)
         ps._TP = group  # NOTE: in-seq CP's TP group is its attention-CP group (the storage config reads TP)
         release().setup_process(str(workdir), "prefill")
         stack.enter_context(hicache_on_cpu())

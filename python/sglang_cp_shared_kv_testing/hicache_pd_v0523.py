@@ -32,10 +32,8 @@ from sglang_cp_shared_kv_testing.hicache_cp_v0523 import (
     stock_pool,
 )
 from sglang_cp_shared_kv_testing.hicache_l3_v0523 import evict_everything, storage_round_trip, storage_server_args
-from sglang_cp_shared_kv_testing.hicache_pd_v0512 import PHYSICAL_PAGES, REQUEST_PAGES, run_hicache_pd
+from sglang_cp_shared_kv_testing.hicache_pd_v0512 import GROUP_TIMEOUT_S, PHYSICAL_PAGES, REQUEST_PAGES, run_hicache_pd
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import PAGE, HiCacheRequest, settle
-
-TIMEOUT_S = 120  # the gloo group's: a rank stuck in a collective fails the run instead of hanging it
 
 
 class HiCachePrefill0523:
@@ -59,7 +57,7 @@ class HiCachePrefill0523:
         # active context, this rank's interleave server, which HiCache and the manager read
         model = str(write_tiny_dsv32(workdir))
         self.server_args = storage_server_args(model, n, extra)
-        group = init_interleave_rank(rank, n, port, model, stack, server_args=self.server_args, timeout_s=TIMEOUT_S)
+        group = init_interleave_rank(rank, n, port, model, stack, server_args=self.server_args, timeout_s=GROUP_TIMEOUT_S)
         # NOTE: PP 1 builds no pipeline group, yet a prefill manager reads it (as the PD rig states it)
         get_parallel().override_permanently(pp_group=None)
         stack.enter_context(hicache_on_cpu())
