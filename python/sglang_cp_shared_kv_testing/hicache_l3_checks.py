@@ -92,7 +92,7 @@ def check_the_miss_check_fails_without_cp_size_keys(case, ranks: List[Dict[str, 
     raise AssertionError(f"{case.name}: the other-CP-size check passed on keys that do not name the CP size")
 
 
-def _failing_fetch(case):
+def failing_fetch(case):
     """(rank, first page) of a rank whose fetches fail from that page on (a failed or a raising
     fetch), or None."""
     if case.fail_fetch is not None:
@@ -124,7 +124,7 @@ def expected_hit_pages(case, ranks: List[Dict[str, dict]]) -> int:
     else all."""
     if case.lose_page is not None:
         return case.lose_page
-    failing = _failing_fetch(case)
+    failing = failing_fetch(case)
     if failing is not None:
         rank, first = failing
         return next((p for p in _own_pages(case, ranks, rank) if p >= first), case.pages)
@@ -170,7 +170,7 @@ def check_own_pages(case, ranks: List[Dict[str, dict]]) -> None:
     hit_pages = expected_hit_pages(case, ranks)
     store_failed = _store_failed_pages(case, ranks)
     assert sum(cases[case.name]["pages_copied"]["stored"] for cases in ranks) == case.pages - len(store_failed)
-    failing = _failing_fetch(case)
+    failing = failing_fetch(case)
     for rank, cases in enumerate(ranks):
         result = cases[case.name]
         assert result["sharded"] and not result["backup_skip"], rank  # (every rank stores)
@@ -223,4 +223,5 @@ def check_backend_error_contained(case, ranks: List[Dict[str, dict]]) -> None:
 
 __all__ = ["SizeBlindKeys", "check_backend_error_contained", "check_no_leak", "check_other_cp_size_misses",
            "check_own_pages", "check_round_trip", "check_size_blind_keys_hit",
-           "check_the_miss_check_fails_without_cp_size_keys", "expected_hit_pages", "lookup_as_other_cp_size"]
+           "check_the_miss_check_fails_without_cp_size_keys", "expected_hit_pages", "failing_fetch",
+           "lookup_as_other_cp_size"]

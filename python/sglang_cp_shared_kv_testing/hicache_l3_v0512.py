@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -38,7 +39,7 @@ from sglang_cp_shared_kv.scoped import attributes_set
 
 from sglang_cp_shared_kv_testing.cp_harness import finish_rank
 from sglang_cp_shared_kv_testing.hicache_cp_v0512 import ShardedAccess, shared_pool
-from sglang_cp_shared_kv_testing.hicache_l3_checks import SizeBlindKeys, lookup_as_other_cp_size
+from sglang_cp_shared_kv_testing.hicache_l3_checks import SizeBlindKeys, failing_fetch, lookup_as_other_cp_size
 from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     PAGE,
     STOCK_ACCESS,
@@ -227,6 +228,10 @@ def storage_faults(case: StorageCase, rank: int, storage, kv_host, hashes_seen: 
     report["query_in_lanes"] = hasattr(storage, "query_for")  # (the query asks for this rank's pages only)
 
 
+#: how long a rank waits for its own prefetch I/O (:func:`_case`'s ``own_io_done``)
+IO_WAIT_S = 60.0
+
+
 def _keys(hashes: List[str], suffix: str) -> List[str]:
     return [f"{h}{suffix}" for h in hashes]
 
@@ -270,6 +275,24 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
     pages = getattr(kv_host, "prefetch_pages", None)
     released = (lambda: len(pages) == 0) if pages is not None else (lambda: True)
 
+    def own_io_done(req_id):
+        # NOTE: a rank whose fetch fails ends its own prefetch there (stock marks it terminated),
+        # and stock's can_terminate_prefetch then stops every rank's prefetch wherever its I/O
+        # thread is (a MAX over "terminated"): best effort, so the group's hit is the failing
+        # rank's first failed page only if the other ranks' I/O finished first, and shorter if a
+        # scheduler step came between (the CI of 3e89b3a: hit 0 instead of 1 page, once). Waiting
+        # here, each rank for its own I/O and before any agreement, fixes that order so the
+        # checks can ask for the exact hit
+        if failing_fetch(case) is None:
+            return
+        operation = cache.ongoing_prefetch[req_id][3]
+        deadline = time.monotonic() + IO_WAIT_S
+        while not (operation.is_terminated()
+                   or (operation.hash_value and operation.completed_tokens == len(operation.hash_value) * PAGE)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CP rank {rank}: the prefetch's I/O not done after {IO_WAIT_S} s")
+            time.sleep(0.01)
+
     def prefetch_again():  # the request out of device and host memory, then prefetched again
         scenario = HiCacheScenario(cache, access)
         scenario.evict(len(request.token_ids))
@@ -284,7 +307,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
         with storage_faults(case, rank, storage, kv_host, hashes_seen) as faults:
             trip = storage_round_trip(cache, request, access=access, req_id=f"{case.name}-req",
                                       before_prefetch=before_prefetch, released=released,
-                                      prefetches=2 if case.prefetch_twice else 1)
+                                      prefetches=2 if case.prefetch_twice else 1, before_progress=own_io_done)
         copied = {d: v - copied_before.get(d, 0) for d, v in getattr(kv_host, "pages_copied", {}).items()}
         hashes = trip.stored_hashes
         other_size = (lookup_as_other_cp_size(storage, n, hashes, kv_host, prefetch_again)

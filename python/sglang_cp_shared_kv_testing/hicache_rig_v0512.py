@@ -685,7 +685,8 @@ class StorageTrip:
 
 def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = STOCK_ACCESS, req_id: str = "req",
                        store: bool = True, before_prefetch: Optional[Callable[[List[str]], None]] = None,
-                       released: Callable[[], bool] = lambda: True, prefetches: int = 1) -> StorageTrip:
+                       released: Callable[[], bool] = lambda: True, prefetches: int = 1,
+                       before_progress: Optional[Callable[[str], None]] = None) -> StorageTrip:
     """One request through the storage tier of ``cache`` (built with a storage backend): place
     and insert it, back it up to host (write-through) and from host to storage, evict it from
     device and host memory, poison both, prefetch it from storage (``prefetch_from_storage`` as
@@ -694,7 +695,9 @@ def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = S
     prefetch (what another group stored). ``before_prefetch(hashes)``: runs just before the
     prefetch (e.g. a lost object). ``released()``: an agreed "every prefetch page is free again",
     awaited before the host pool is audited. ``prefetches``: how many times the prefetch is
-    started under the same request id (SGLang then tracks only the last)."""
+    started under the same request id (SGLang then tracks only the last). ``before_progress(req_id)``:
+    runs after the prefetch is started and before the first scheduler step that checks it (a
+    rank-local wait, say: no agreement may run in it)."""
     scenario = HiCacheScenario(cache, access)
     steps: Dict[str, int] = {}
     tokens = len(request.token_ids)
@@ -714,6 +717,8 @@ def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = S
         before_prefetch(hashes)
     for _ in range(prefetches):
         cache.prefetch_from_storage(req_id, cache.root_node, list(request.token_ids), None, None)
+    if before_progress is not None:
+        before_progress(req_id)
     steps["prefetched"] = settle(cache, lambda: cache.check_prefetch_progress(req_id), what="the prefetch")
     loaded = cache.pop_prefetch_loaded_tokens(req_id)
     match = scenario.match(request)
