@@ -46,6 +46,7 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     HiCacheRequest,
     HiCacheScenario,
     build_hicache,
+    free_host_tokens,
     hicache_on_cpu,
     host_pools,
     host_tokens_in_tree,
@@ -318,7 +319,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
             stored[f"{what}_ours"] = store.batch_is_exist(_keys([h + f"@cp{n}" for h in hashes], suffix_))
             stored[f"{what}_stock"] = store.batch_is_exist(_keys(hashes, suffix_))
     cache.detach_storage_backend()
-    host_after_detach = [kv_host.available_size() + host_tokens_in_tree(cache), kv_host.size]
+    host_after_detach = [free_host_tokens(kv_host) + host_tokens_in_tree(cache), kv_host.size]
     return {
         "name": case.name,
         "errors": trip.device_bytes_after_load.mismatches(trip.written),

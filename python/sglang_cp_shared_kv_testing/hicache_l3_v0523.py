@@ -52,6 +52,7 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     STOCK_ACCESS,
     HiCacheRequest,
     StorageTrip,
+    free_host_tokens,
     seeded_bytes,
     settle,
 )
@@ -77,8 +78,7 @@ def storage_server_args(model_dir: str, n: int, extra: dict):
 # ---------------------------------------------------------------- the round trip
 def _free_host_tokens(cache) -> tuple:
     kv_host = host_pools(cache)[0]
-    free = kv_host.free_size() if hasattr(kv_host, "free_size") else kv_host.available_size()
-    return free, getattr(kv_host, "logical_size", kv_host.size)
+    return free_host_tokens(kv_host), getattr(kv_host, "logical_size", kv_host.size)
 
 
 def evict_everything(cache) -> tuple:

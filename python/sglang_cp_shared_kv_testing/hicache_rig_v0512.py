@@ -642,6 +642,12 @@ def settle(cache, done: Callable[[], bool], *, what: str, max_steps: int = 600, 
     raise TimeoutError(f"{what}: not done after {max_steps} scheduler steps")
 
 
+def free_host_tokens(host) -> int:
+    """Every free token of a host pool: the shared-KV pools' ``free_size`` (their
+    ``available_size`` is the lane floor), stock's ``available_size``."""
+    return host.free_size() if hasattr(host, "free_size") else host.available_size()
+
+
 def host_tokens_in_tree(cache) -> int:
     """Host tokens the radix tree holds (every node's ``host_value``)."""
     held, stack = 0, [cache.root_node]
@@ -733,7 +739,7 @@ def storage_round_trip(cache, request: HiCacheRequest, *, access: PoolAccess = S
                        host_hit_length=match.host_hit_length, new_locs=new_locs,
                        written=request.content.prefix(len(new_locs), cache.page_size),
                        device_bytes_after_load=access.read(cache.kv_cache, new_locs),
-                       host_tokens=(host.available_size() + host_tokens_in_tree(cache), host.size), steps=steps)
+                       host_tokens=(free_host_tokens(host) + host_tokens_in_tree(cache), host.size), steps=steps)
 
 
 __all__ = ["hicache_on_cpu", "KVCACHEIO_STANDINS", "transfer_kv_direct", "transfer_kv_all_layer_direct_lf_pf",
@@ -741,4 +747,4 @@ __all__ = ["hicache_on_cpu", "KVCACHEIO_STANDINS", "transfer_kv_direct", "transf
            "build_hicache", "host_pools", "expected_host_size", "PoolBytes", "PoolAccess", "STOCK_ACCESS",
            "page_starts", "seeded_bytes", "read_host", "HiCacheRequest", "RoundTrip", "HiCacheScenario",
            "round_trip", "HiCacheCase", "PAGE", "DTYPES", "SUPPORTED_IO", "settle", "host_tokens_in_tree", "poison_host",
-           "StorageTrip", "storage_round_trip"]
+           "StorageTrip", "storage_round_trip", "free_host_tokens"]

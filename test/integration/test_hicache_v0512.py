@@ -129,3 +129,28 @@ def test_the_rig_is_scoped(sglang_world_of_one):
     assert before[1] == 10 * 1024**3
     kvcacheio = sys.modules.get("sgl_kernel.kvcacheio")
     assert kvcacheio is None or kvcacheio.transfer_kv_direct is not transfer_kv_direct  # only a real one stays
+
+
+def test_the_shared_host_pool_reports_what_a_prefetch_allocation_fits_on_uneven_lanes(hicache_cpu, plugin_loaded):
+    """Stock's ``prefetch_from_storage`` allocates, evicts host memory, allocates again, and then
+    allocates ``available_size()`` tokens and starts the prefetch without checking it got pages
+    (a None there ends every rank's prefetch thread). The flag's host pool (CP2, rank 0) reports
+    the lane floor, which that allocation fits however uneven the lanes are; ``free_size()``
+    counts every free page, more than such an allocation can take."""
+    from sglang_cp_shared_kv_testing.hicache_cp_v0512 import shared_pool
+
+    pool, allocator = shared_pool(0, 2, "bf16", DEVICE_PAGES)
+    cache = build_hicache(pool, allocator, page_size=PAGE, hicache_ratio=2.0, write_policy="write_through",
+                          io_backend="direct", group=hicache_cpu)
+    host = host_pools(cache)[0]
+    assert type(host).__name__ == "CpSharedMLATokenToKVPoolHost"
+    per_lane = host.lanes.free_pages_per_lane()[0]
+    assert host.available_size() == host.free_size() == 2 * per_lane * PAGE
+    with host.pages_in_lanes(torch.ones(per_lane - 2, dtype=torch.int64)):  # lane 1 down to 2 free pages
+        assert host.alloc((per_lane - 2) * PAGE) is not None
+    assert host.lanes.free_pages_per_lane() == [per_lane, 2]
+    assert host.free_size() == (per_lane + 2) * PAGE and host.available_size() == 2 * 2 * PAGE
+    assert host.alloc(host.free_size()) is None
+    floor = host.available_size()
+    got = host.alloc(floor)
+    assert got is not None and got.numel() == floor == 4 * PAGE

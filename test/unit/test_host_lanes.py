@@ -78,3 +78,26 @@ def test_cyclic_lanes_start_with_the_freest_lane():
     lanes = _lanes(3, per_rank=3)
     lanes.alloc(torch.tensor([0, 0, 2]))
     assert lanes.cyclic_lanes(4).tolist() == [1, 2, 0, 1]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_an_allocation_of_the_lane_floor_always_fits_and_of_every_free_page_may_not(n):
+    """SGLang 0.5.12.post1's storage prefetch sizes its last allocation from the host pool's
+    ``available_size()`` and starts the prefetch without checking it got pages: the pools report
+    the lane floor (``floor_pages``), which an allocation by ``cyclic_lanes`` always fits, on
+    lanes however uneven; every free page would not (two lanes holding 14 and 2 free pages)."""
+    per_rank = 16
+    generator = torch.Generator().manual_seed(n)
+    for trial in range(50):
+        lanes = HostPageLanes(HostPageRule(CpSharedKVLayout(PAGE, n, 0)), per_rank)
+        taken = torch.randint(0, per_rank + 1, (n,), generator=generator).tolist()
+        lanes.alloc(torch.tensor([rank for rank in range(n) for _ in range(taken[rank])], dtype=torch.int64))
+        floor = lanes.floor_pages()
+        assert floor == n * min(lanes.free_pages_per_lane())
+        if floor:
+            got = lanes.alloc_locs(floor * PAGE, None)
+            assert got is not None and got.numel() == floor * PAGE, (trial, taken)
+    uneven = HostPageLanes(HostPageRule(CpSharedKVLayout(PAGE, 2, 0)), per_rank)
+    uneven.alloc(torch.tensor([0] * 2 + [1] * 14))
+    assert uneven.free_pages_per_lane() == [14, 2] and uneven.floor_pages() == 4
+    assert uneven.alloc_locs(uneven.available_pages() * PAGE, None) is None

@@ -100,6 +100,11 @@ class HostPageLanes:
     def available_pages(self) -> int:
         return sum(self.free_pages_per_lane())
 
+    def floor_pages(self) -> int:
+        """The lane floor: N times the emptiest lane's free pages, the most pages an allocation
+        by :meth:`cyclic_lanes` always fits (it takes at most ceil(k/N) of any lane)."""
+        return min(self.free_pages_per_lane()) * self.rule.cp_size
+
     def alloc(self, lanes: torch.Tensor) -> Optional[torch.Tensor]:
         """One free host page of lane ``lanes[i]`` for each i (int64, CPU), or None."""
         lanes = lanes.to(torch.int64).cpu()

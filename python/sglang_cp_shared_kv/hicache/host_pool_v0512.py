@@ -98,6 +98,18 @@ class CpSharedMLATokenToKVPoolHost(sg.MLATokenToKVPoolHost):
             self.lanes.clear()
 
     def available_size(self):
+        """The lane floor: N times the free pages of the emptiest lane (as on 0.5.23)."""
+        # NOTE: not every free page: an allocation with no device pages behind it (a storage
+        # prefetch) spreads its pages over the lanes in turn, so it fits only up to the floor;
+        # stock's prefetch_from_storage sizes its last try from available_size() and starts the
+        # prefetch without checking it got pages (a None there would end every rank's prefetch
+        # thread). The floor reads the rank-identical free lists, so every rank sizes alike
+        if self.lanes is None:
+            return super().available_size()
+        return self.lanes.floor_pages() * self.page_size
+
+    def free_size(self) -> int:
+        """Every free host token of the group's tier (all lanes)."""
         if self.lanes is None:
             return super().available_size()
         return self.lanes.available_pages() * self.page_size

@@ -119,7 +119,7 @@ class CpSharedKVHostPool:
     def available_size(self) -> int:
         """The lane floor: N times the free pages of the emptiest lane (module docstring)."""
         with self._lanes_lock:
-            return min(self.lanes.free_pages_per_lane()) * self.shard_size * self.host_pool.page_size
+            return self.lanes.floor_pages() * self.host_pool.page_size
 
     def free_size(self) -> int:
         """Every free host token of the group's tier (all lanes)."""
