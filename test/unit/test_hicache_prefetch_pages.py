@@ -62,6 +62,25 @@ def test_revocations_of_a_request_id_seen_twice_go_to_the_oldest_open_entry():
     assert torch.equal(ledger.release(2), _pages(1, 1))
 
 
+def test_a_revocation_goes_to_the_prefetch_whose_whole_allocation_the_prefetch_thread_released():
+    """Two prefetches open under one request id, the older in this rank's I/O (not idle): the
+    prefetch thread revokes the newer and releases its whole allocation (that very tensor); the
+    revocation marks the newer idle, never the older, whose host rows the I/O thread still
+    writes (freeing them would hand them to another allocation while they are written)."""
+    ledger, older, newer = PrefetchHostPages(), object(), object()
+    older_pages, newer_pages = _pages(0, 2), _pages(2, 2)
+    ledger.opened("a", older, older_pages)
+    ledger.opened("a", newer, newer_pages)
+    ledger.note_release(older_pages[64:])  # (a slice: the I/O thread's unfetched tail, not a revoke)
+    ledger.note_release(newer_pages)  # the prefetch thread revoking the newer prefetch
+    ledger.revoked(["a"])
+    ledger.resolved(older, release_from=0)
+    assert ledger.ready_count() == 0  # the older is still in I/O: nothing may be freed yet
+    ledger.transfer_done(older)
+    assert ledger.ready_count() == 2
+    assert torch.equal(ledger.release(2), torch.cat([older_pages, newer_pages]))
+
+
 def test_releases_asked_by_sglang_are_counted_on_the_capturing_thread_only():
     ledger = PrefetchHostPages()
     seen = []

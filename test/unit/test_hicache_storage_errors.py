@@ -160,6 +160,15 @@ def test_an_outage_logs_one_traceback_then_a_line_a_minute_then_its_end(caplog, 
     assert counts.storage_errors == {"fetch": 1, "store": 0, "query": 7}
 
 
+@pytest.mark.parametrize("call", ["batch_get_v1", "batch_set_v1"])
+def test_an_own_page_the_backend_gave_no_result_for_failed(call):
+    """A backend answering fewer results than this rank's keys (a broken contract): the pages
+    without a result count as failed, never as fetched or stored (a fetched page enters the tree)."""
+    storage, counts = _storage()
+    setattr(storage.backend, call, lambda keys, host_indices, extra_info=None: [True] * (len(keys) - 1))
+    assert getattr(storage, call)(KEYS, HOST_INDICES) == [page != OWN[-1] for page in range(len(KEYS))]
+
+
 def test_the_prometheus_counter_counts_each_raise_by_rank_and_operation():
     storage, _counts = _storage(metrics_enabled=True)
     labels = {"cp_rank": str(RANK), "operation": "fetch"}

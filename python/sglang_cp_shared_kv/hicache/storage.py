@@ -159,10 +159,11 @@ class ShardedStorage:
 
     @staticmethod
     def _expand(own_results: Sequence[bool], positions: List[int], pages: int) -> List[bool]:
-        """A result per page: this rank's from ``own_results``, every other page done."""
+        """A result per page: this rank's from ``own_results``, every other page done. An own
+        page the backend gave no result for failed (never taken as written)."""
         out = [True] * pages
-        for position, ok in zip(positions, own_results):
-            out[position] = bool(ok)
+        for i, position in enumerate(positions):
+            out[position] = i < len(own_results) and bool(own_results[i])
         return out
 
     def _count(self, direction: str, results: Sequence[bool]) -> None:

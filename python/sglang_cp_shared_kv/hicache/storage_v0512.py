@@ -107,13 +107,15 @@ class _QueryLanes(threading.local):
 class _Prefetch:
     """One prefetch's host pages. ``release_from``: the first token of ``host_indices`` the
     radix tree did not take (set when the scheduler resolves the prefetch); ``idle``: no
-    storage thread of this rank touches them any more."""
+    storage thread of this rank touches them any more; ``revoke_seen``: this rank's prefetch
+    thread released all of them, as it does when it revokes the prefetch."""
 
     request_id: str
     operation: object
     host_indices: torch.Tensor
     release_from: Optional[int] = None
     idle: bool = False
+    revoke_seen: bool = False
 
 
 class PrefetchHostPages:
@@ -140,10 +142,18 @@ class PrefetchHostPages:
 
     def note_release(self, host_indices: torch.Tensor) -> None:
         """SGLang asks to release ``host_indices`` (``append_host_mem_release``). Not done: these
-        pages are freed in prefetch order (class docstring); a capturing thread counts them."""
+        pages are freed in prefetch order (class docstring); a capturing thread counts them. A
+        release of a prefetch's whole allocation (the very tensor it was started with: the
+        prefetch thread revoking it) marks that prefetch for :meth:`revoked`."""
         released = getattr(self._capture, "released", None)
         if released is not None:
             released.tokens += int(host_indices.numel())
+            return
+        with self._lock:
+            # NOTE: by identity: stock's other releases of a prefetch's pages pass slices of it
+            entry = next((e for e in self._entries if e.host_indices is host_indices), None)
+            if entry is not None:
+                entry.revoke_seen = True
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -172,11 +182,15 @@ class PrefetchHostPages:
 
     def revoked(self, request_ids: Sequence[str]) -> None:
         """The prefetch thread revoked these (agreed over the group): none was fetched, so the
-        oldest open entry of each is idle, and free from its first token if the scheduler had
-        not resolved it yet."""
+        revoked entry of each is idle, and free from its first token if the scheduler had not
+        resolved it yet. The revoked entry: the one whose allocation the prefetch thread released
+        whole (:meth:`note_release`), else the oldest open entry of the request id."""
         with self._lock:
             for request_id in request_ids:
-                entry = next((e for e in self._entries if e.request_id == request_id and not e.idle), None)
+                # NOTE: a request id can have two prefetches open (SGLang replaced one it still
+                # tracked); the older may be in this rank's I/O buffer, writing its host rows
+                candidates = [e for e in self._entries if e.request_id == request_id and not e.idle]
+                entry = next((e for e in candidates if e.revoke_seen), candidates[0] if candidates else None)
                 if entry is not None:
                     entry.idle = True
                     if entry.release_from is None:
