@@ -216,9 +216,9 @@ def check_backend_error_contained(case, ranks: List[Dict[str, dict]]) -> None:
             assert raised["pages"] == list(range(case.pages)), (rank, raised)
         assert errors.get(operation) == sum(errors.values()) == raised["calls"], (rank, errors, raised)
         assert len(logs) == 1, (rank, raised, logs)
-        for level, message, exception in logs:
-            assert level in ("WARNING", "ERROR") and exception == "InjectedBackendError", (rank, level, exception)
-            assert f"CP rank {rank}" in message and operation in message, (rank, message)
+        ((level, message, exception),) = logs
+        assert level in ("WARNING", "ERROR") and exception == "InjectedBackendError", (rank, level, exception)
+        assert f"CP rank {rank}" in message and operation in message, (rank, message)
 
 
 __all__ = ["SizeBlindKeys", "check_backend_error_contained", "check_no_leak", "check_other_cp_size_misses",

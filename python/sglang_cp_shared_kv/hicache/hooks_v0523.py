@@ -37,12 +37,9 @@ identical on every rank without 0.5.12.post1's ``PrefetchHostPages``.
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
-
-logger = logging.getLogger(__name__)
 
 
 def build_owner_local_host_pool(original, *args, kv_pool, **kwargs):
@@ -81,12 +78,11 @@ SHARDED_L3_LAYOUT_REASON = (
 
 
 def shard_storage_backend(result, controller, *args, **kwargs):
-    from sglang_cp_shared_kv.hicache.storage import ShardedStorage, shard_controller_storage
+    from sglang_cp_shared_kv.hicache.storage import shard_controller_storage
 
-    attached = isinstance(getattr(controller, "storage_backend", None), ShardedStorage)
-    if shard_controller_storage(controller, every_rank_stores=_every_rank_stores) is not None and not attached:
-        # (said once per attached backend; describe_sharded_l3_layout answers every query)
-        logger.info("HiCache external L3 layout: off (%s)", SHARDED_L3_LAYOUT_REASON)
+    # (the startup line says why once; describe_sharded_l3_layout answers every query)
+    shard_controller_storage(controller, every_rank_stores=_every_rank_stores,
+                             note=f"; HiCache external L3 layout: off ({SHARDED_L3_LAYOUT_REASON})")
     return result
 
 

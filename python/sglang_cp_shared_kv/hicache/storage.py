@@ -269,12 +269,14 @@ class ShardedStorage:
 
 
 def shard_controller_storage(controller, storage_class=ShardedStorage,
-                             every_rank_stores: Optional[Callable[[object], None]] = None) -> Optional[ShardedStorage]:
+                             every_rank_stores: Optional[Callable[[object], None]] = None,
+                             note: str = "") -> Optional[ShardedStorage]:
     """Put the controller's storage backend behind ``storage_class`` (a :class:`ShardedStorage`)
     when its KV host pool is the shared-KV one and a backend is attached, and make every CP rank
     a storer (``every_rank_stores(controller)``: each rank holds, so stores, only its own pages;
-    stock lets one rank store an MLA model's replicated pages). Returns the sharded storage, or
-    None (flag off, no storage tier). Idempotent."""
+    stock lets one rank store an MLA model's replicated pages). Logs it once per attached backend,
+    with ``note`` (what a release adds). Returns the sharded storage, or None (flag off, no
+    storage tier). Idempotent."""
     from sglang_cp_shared_kv.hicache.lane_hooks import owner_local_host
 
     host = owner_local_host(controller.mem_pool_host)
@@ -288,8 +290,8 @@ def shard_controller_storage(controller, storage_class=ShardedStorage,
     if every_rank_stores is not None:
         every_rank_stores(controller)
     logger.info("CP shared KV HiCache storage: CP rank %d stores and fetches only its own pages in %s, under "
-                "keys <page hash>%s (a CP group of another size misses them)", host.rule.layout.cp_rank,
-                type(backend).__name__, storage.keys.suffix)
+                "keys <page hash>%s (a CP group of another size misses them)%s", host.rule.layout.cp_rank,
+                type(backend).__name__, storage.keys.suffix, note)
     return storage
 
 
