@@ -27,7 +27,8 @@
 #   SOAK="--cp-size 4 --share-gpu ..." runs scripts/soak_pd.py with those arguments (a PD pair under
 #   load; its phases on/off/fault accumulate in ~/soak-work, SOAK_SEED=dir first copies dir/*.json,
 #   an earlier call's phases, there; JSON to $out/soak_pd.json, the phases' records and server logs
-#   to $out/soak-logs.tar.xz, packed every PACK_EVERY seconds while it runs);
+#   to $out/soak-logs.tar.xz, packed every PACK_EVERY seconds while it runs; several sets separated
+#   by ';' run at once, on their own ports, each report named after its arguments);
 #   PD_BENCH="--cp-sizes 1,2,4 ..." runs scripts/bench_pd_transfer.py on this machine's CPU
 #   cores (host buffers, Mooncake TCP on loopback, the same engine; JSON to $out);
 #   SELFCHECK="--cp-size 2 ..." runs `python -m sglang_cp_shared_kv selfcheck --device cuda --json` with
@@ -187,13 +188,23 @@ if [ -n "${SOAK:-}" ]; then  # SOAK="--cp-size 4 --share-gpu --phases on,off": s
     [ -z "${PACK:-}" ] || { tar -cJf "$PACK.tmp" -C "$out" --exclude='*.tmp' . 2>/dev/null && mv "$PACK.tmp" "$PACK"; }
   }
   ( while sleep "${PACK_EVERY:-60}"; do pack_soak; done ) & packer=$!
-  python3 scripts/soak_pd.py $SOAK --workdir "$HOME/soak-work" --out "$out/soak_pd.json" > "$out/soak_pd.txt" 2>&1 \
-    || status=1
+  # several sets separated by ';' go at once, set i from port 23000 + 100 i (a set's own --port
+  # wins): they share the work folder, where each set's records carry its own tag
+  IFS=';' read -ra sets <<< "$SOAK"
+  names=(); pids=()
+  for i in "${!sets[@]}"; do
+    name=soak_pd; [ ${#sets[@]} -gt 1 ] && name=soak_pd_$(slug "${sets[$i]}")
+    python3 scripts/soak_pd.py --port $((23000 + 100 * i)) ${sets[$i]} --workdir "$HOME/soak-work" \
+      --out "$out/$name.json" > "$out/$name.txt" 2>&1 & pids+=($!); names+=("$name")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
   kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   pack_soak
-  grep "^\[soak\]" "$out/soak_pd.txt"
-  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('soak', v['pass'], k) for k, v in d['checks'].items()]; print('soak pass', d['pass'], 'phases', d['phases'], 'failed', d['failed_phases'])" \
-    "$out/soak_pd.json" || tail -20 "$out/soak_pd.txt"
+  for name in "${names[@]}"; do
+    echo "== $name"; grep "^\[soak\]" "$out/$name.txt"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); [print('soak', v['pass'], k) for k, v in d['checks'].items()]; print('soak pass', d['pass'], 'phases', d['phases'], 'failed', d['failed_phases'])" \
+      "$out/$name.json" || tail -20 "$out/$name.txt"
+  done
   checkpoint
 fi
 if [ -n "${PD_BENCH:-}" ]; then

@@ -48,7 +48,11 @@ def write_model(directory: Path, config: Dict) -> Path:
     """A model directory holding only ``config.json`` (weights: ``--load-format dummy``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
+    # NOTE: written beside and renamed: scripts running at once (gpu_session.sh's SOAK sets)
+    # share a work folder, and a server of one must never read the other's half-written file
+    staged = directory / f".config.json.{os.getpid()}"
+    staged.write_text(json.dumps(config))
+    os.replace(staged, directory / "config.json")
     return directory
 
 
