@@ -35,6 +35,7 @@ from sglang_cp_shared_kv.transfer import hooks_v0523 as hooks_dsa  # noqa: E402
 from sglang_cp_shared_kv.transfer import prefill  # noqa: E402
 from sglang_cp_shared_kv.transfer.failure_cause import CAUSE_PREFIX, parse_failure_cause  # noqa: E402
 from sglang_cp_shared_kv.transfer.pages import ChunkPositions, CpSharedKVTransferError, OwnedStatePages  # noqa: E402
+from sglang_cp_shared_kv.transfer.rooms import FAILED_ATTR, send_failure_cause  # noqa: E402
 
 PAGE = 64
 LAYERS = 3
@@ -184,8 +185,31 @@ def test_a_chunk_beyond_decodes_pages_is_rejected_before_sglang_queues_it():
     (empty,) = queued(mgr)  # SGLang's worker fails it: send_aux is withheld for the room
     assert empty.is_last_chunk and empty.prefill_kv_indices.size == 0
     assert "outside the 2 pages decode" in mgr.failure_records[8]
-    assert transfer.send_aux_unless_failed(lambda *a: 0, mgr, mgr.transfer_infos[8][DECODE[0] + ":7000"], 1,
-                                           [0]) == -1
+    # 0.5.23's worker then: send_aux (withheld: nothing submitted, so 0, else SGLang would
+    # poison this rank's drain ACK), all polls True -> conclude_transfer(Success), which the
+    # failure record turns into Failed; decode hears the rejection, then Failed
+    submitted = []
+    rc = transfer.send_aux_unless_failed(lambda *a: submitted.append(a) or 0, mgr,
+                                         mgr.transfer_infos[8][DECODE[0] + ":7000"], 1, [0])
+    assert rc == 0 and submitted == []
+    status = hooks_dsa.report_failure_cause_to_decode(
+        lambda m, **kw: common.CommonKVManager.conclude_transfer(m, **kw), mgr, bootstrap_room=8,
+        status=KVPoll.Success, targets=[DECODE], failure_reason=None)
+    assert status == KVPoll.Failed and mgr.request_status[8] == KVPoll.Failed
+    cause, failed = _frames(mgr)
+    assert "rejected room 8 before enqueueing" in parse_failure_cause(cause)[1]
+    assert failed[:2] == [b"8", b"0"]
+    assert 8 not in mgr._deferred_ack_poisoned_rooms  # decode's ABORT gets this rank's ACK
+
+
+def test_a_withheld_aux_without_a_failure_record_still_fails_the_write():
+    """An aux write withheld for a room with no failure record on this rank (its abort was told
+    to a late registration, record=False): -1 as before, SGLang fails the room itself."""
+    mgr = make_manager()
+    info = ready_room(mgr, 16, dst_pages=[100])
+    prefill.prefill_transfer(mgr)
+    setattr(info, FAILED_ATTR, "the prefill aborted the request")
+    assert transfer.send_aux_unless_failed(lambda *a: 0, mgr, info, 1, [0]) == -1
 
 
 @pytest.mark.parametrize("decode", ["hisparse", "dcp relayout"])
@@ -265,6 +289,67 @@ def test_a_rejected_room_concludes_with_the_rejection():
     cause, failed = _frames(mgr)
     assert "rejected room 10 before enqueueing" in parse_failure_cause(cause)[1]
     assert "rejected room 10" in mgr.failure_records[10]  # the first root cause is kept
+
+
+def test_a_cleared_rooms_write_cause_is_not_pinned_on_the_next_failing_room():
+    """A KV write fails for a room the scheduler cleared meanwhile: SGLang concludes nothing
+    for it, and its cause must not stay on the worker thread for the next room that fails
+    without a write of its own (a rejection) to report as its own."""
+    mgr = make_manager()
+    ready_room(mgr, 17, dst_pages=[100])
+    context = prefill.prefill_transfer(mgr)
+    context.write_failures.put("Mooncake batch_transfer_sync_write returned -1 for batch 1 of 1 (room 17)")
+    del mgr.request_status[17]  # the sender cleared it (an abort)
+
+    def conclude(m, **kw):
+        return common.CommonKVManager.conclude_transfer(m, **kw)
+
+    assert hooks_dsa.report_failure_cause_to_decode(
+        conclude, mgr, bootstrap_room=17, status=KVPoll.Failed, targets=None,
+        failure_reason="Failed to send kv chunk of 17") is None and mgr.sent == []
+    ready_room(mgr, 18, dst_pages=[100])
+    hooks_dsa.report_failure_cause_to_decode(
+        conclude, mgr, bootstrap_room=18, status=KVPoll.Failed, targets=[DECODE],
+        failure_reason="Failed to send aux data of 18")
+    cause, _ = _frames(mgr)
+    assert "room 17" not in parse_failure_cause(cause)[1] and "room 17" not in mgr.failure_records[18]
+    assert prefill.transfer_stats(mgr).get("failed_kv_writes", 0) == 0
+
+
+def test_the_cause_goes_out_under_sglangs_per_endpoint_send_lock():
+    """0.5.23 shares one cached PUSH socket per decode endpoint across its sender threads and
+    sends under a per-endpoint lock (an abort ACK from the bootstrap thread, a status from a
+    transfer worker); the cause message must take that lock too, or frames of two messages
+    interleave on the socket (decode's receiver thread dies on the mixed message, libzmq may
+    abort the prefill). Real 0.5.23 ``_connect`` / ``_send_multipart_locked``, ZMQ on loopback."""
+    import zmq
+
+    class Sockets(conn.MooncakeKVManager):
+        AUX_DATA_HEADER = conn.MooncakeKVManager.AUX_DATA_HEADER
+
+        def __init__(self):  # only the socket state CommonKVManager.__init__ sets
+            self._zmq_ctx, self._socket_lock = zmq.Context(), threading.Lock()
+            self._socket_cache, self._monitor_cache, self._socket_send_locks = {}, {}, {}
+            self.defer_decode_allocation = False
+
+    mgr = Sockets()
+    pull = mgr._zmq_ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    try:
+        mgr._connect(endpoint)  # SGLang's first send made the socket and its lock
+        with mgr._socket_send_locks[endpoint]:  # another SGLang thread is sending
+            sender = threading.Thread(target=send_failure_cause, args=(mgr, "127.0.0.1", port, 19, "why"))
+            sender.start()
+            assert not pull.poll(300), "the cause went out while SGLang held the endpoint's send lock"
+        sender.join(10)
+        assert pull.poll(5000)
+        assert parse_failure_cause(pull.recv_multipart()) == (19, "why")
+    finally:
+        pull.close(linger=0)
+        for sock in [*mgr._socket_cache.values(), *mgr._monitor_cache.values()]:
+            sock.close(linger=0)
+        mgr._zmq_ctx.term()
 
 
 @pytest.mark.parametrize("case", ["flag off", "success", "cleared room"])

@@ -82,6 +82,15 @@ class Release:
     #: whether this release's Mooncake backend applies ``extra_backend_tag`` twice when it asks
     #: whether a DSA page exists (so no prefetch would hit: the flag refuses the tag)
     storage_tag_applied_twice: bool = False
+    #: whether SGLang's senders share its cached decode status sockets across threads under a
+    #: per-endpoint lock (``_send_multipart_locked``), which the flag's cause message takes too
+    #: (ZMQ sockets are not thread-safe: an unlocked send interleaves frames with an abort ACK)
+    status_sends_locked: bool = False
+    #: whether decode frees a failed room's pages only once every prefill rank acknowledged that
+    #: its writes drained, an acknowledgement SGLang withholds from a rank whose write failed
+    #: (``_poison_unsettled_send``): an aux write the flag withholds, nothing of it submitted,
+    #: then reports success and the room's failure record fails the room
+    deferred_decode_release: bool = False
 
     def __post_init__(self) -> None:
         numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", self.version)

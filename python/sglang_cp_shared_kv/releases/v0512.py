@@ -59,4 +59,9 @@ RELEASE = Release(
     serves_hicache=True,
     serves_hicache_storage=True,
     storage_tag_applied_twice=True,
+    # NOTE: its cached status socket serves the one transfer worker that sends the status
+    status_sends_locked=False,
+    # NOTE: its decode frees a Failed room's pages at once (docs/design.md, "A failed room's
+    # pages on decode")
+    deferred_decode_release=False,
 )

@@ -61,4 +61,6 @@ RELEASE = Release(
     # its Mooncake backend tags every key once, so extra_backend_tag is served
     serves_hicache_storage=True,
     storage_tag_applied_twice=False,
+    status_sends_locked=True,
+    deferred_decode_release=True,
 )

@@ -22,6 +22,7 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import FLAG, shares_kv
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
 from sglang_cp_shared_kv.transfer.prefill import prefill_transfer
+from sglang_cp_shared_kv.transfer.rooms import concludes_failed
 
 
 def prepare_prefill_transfer(result, kv_mgr, *args, **kwargs):
@@ -55,15 +56,22 @@ def every_rank_sends_its_index_pages(original, kv_mgr, *args, **kwargs):
 def report_failure_cause_to_decode(original, kv_mgr, **conclusion):
     """AROUND ``MooncakeKVManager.conclude_transfer`` (inherited from ``CommonKVManager``;
     keyword-only: ``bootstrap_room``, ``status``, ``targets``, ``failure_reason``): ahead of a
-    Failed status, tell each decode target why (same sockets, so decode reads the cause
-    first), and let SGLang record the reason with the failed write's cause appended."""
+    Failed status (asked for, or a Success SGLang turns into one: a withheld aux write), tell
+    each decode target why (same sockets, so decode reads the cause first), and let SGLang
+    record the reason with the failed write's cause appended."""
     context = prefill_transfer(kv_mgr)
     room = conclusion.get("bootstrap_room")
-    # NOTE: SGLang concludes nothing for a room already cleared (its sender read the record)
-    if context is not None and conclusion.get("status") == sg.KVPoll.Failed and room in kv_mgr.request_status:
-        targets = conclusion.get("targets")
-        told = targets if targets is not None else kv_mgr._room_notify_targets(room)
-        conclusion["failure_reason"] = context.report_failure(kv_mgr, room, told, conclusion.get("failure_reason"))
+    if context is None or not concludes_failed(kv_mgr, room, conclusion.get("status")):
+        return original(kv_mgr, **conclusion)
+    if room not in kv_mgr.request_status:
+        # NOTE: SGLang concludes nothing for a room already cleared (its sender read the record);
+        # the cause of its failed write is dropped here, else the next room failing on this
+        # worker thread would take it for its own
+        context.write_failures.take()
+        return original(kv_mgr, **conclusion)
+    targets = conclusion.get("targets")
+    told = targets if targets is not None else kv_mgr._room_notify_targets(room)
+    conclusion["failure_reason"] = context.report_failure(kv_mgr, room, told, conclusion.get("failure_reason"))
     return original(kv_mgr, **conclusion)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 import zmq
 
 from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.transfer.failure_cause import encode_failure_cause
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,22 @@ class WriteFailureHandOff(threading.local):
         return cause
 
 
+def concludes_failed(kv_mgr, room, status) -> bool:
+    """Whether SGLang's ``conclude_transfer`` (0.5.23) sends decode Failed for ``room`` when asked
+    to conclude it with ``status``: Failed, or Success over the room's failure record or a room
+    already marked Failed (it turns those into Failed itself)."""
+    if status == sg.KVPoll.Failed:
+        return True
+    return status == sg.KVPoll.Success and (
+        failure_recorded(kv_mgr, room) or kv_mgr.request_status.get(room) == sg.KVPoll.Failed)
+
+
+def failure_recorded(kv_mgr, room) -> bool:
+    """Whether ``room`` has a failure record on this rank (``record_failure``)."""
+    with kv_mgr.failure_lock:
+        return room in kv_mgr.failure_records
+
+
 def prefill_unique_rank(kv_mgr) -> int:
     """The sender id decode counts responses by (SGLang 0.5.12.post1, mooncake/conn.py
     ``transfer_worker``: one per attention-TP x PP x CP rank)."""
@@ -137,13 +154,17 @@ def send_failure_cause(kv_mgr, remote, dst_port, room, text: str) -> None:
     """The cause message (:mod:`.failure_cause`) to decode's status endpoint."""
     frames = encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, text)
     address = sg.NetworkAddress(remote, dst_port)
+    endpoint = address.to_tcp()
     try:
-        # The same cached socket as SGLang's status message (same call form).
-        kv_mgr._connect(address.to_tcp(), is_ipv6=address.is_ipv6).send_multipart(frames)
+        # The same cached socket as SGLang's status message, sent the way SGLang sends on it.
+        if installed.INSTALLED.status_sends_locked:
+            kv_mgr._send_multipart_locked(endpoint, frames, is_ipv6=address.is_ipv6)
+        else:
+            kv_mgr._connect(endpoint, is_ipv6=address.is_ipv6).send_multipart(frames)
     except Exception as exc:  # the Failed status still goes out; only the detail is lost
         logger.warning("CP shared KV transfer: could not send the failure cause of room %s to %s:%s: %s",
                        room, remote, dst_port, exc)
 
 
 __all__ = ["FAILED_ATTR", "room_targets", "registration_complete", "mark_failed", "WriteFailureHandOff",
-           "prefill_unique_rank", "AbortNotices", "send_failure_cause"]
+           "prefill_unique_rank", "AbortNotices", "send_failure_cause", "concludes_failed", "failure_recorded"]

@@ -24,6 +24,7 @@ import numpy as np
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.observability.nvtx import marked
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms
 from sglang_cp_shared_kv.transfer.pages import (
     OwnedStatePages,
@@ -32,7 +33,7 @@ from sglang_cp_shared_kv.transfer.pages import (
     rejected_batch_cause,
     state_pages_to_send,
 )
-from sglang_cp_shared_kv.transfer.rooms import FAILED_ATTR, WriteFailureHandOff, mark_failed
+from sglang_cp_shared_kv.transfer.rooms import FAILED_ATTR, WriteFailureHandOff, failure_recorded, mark_failed
 from sglang_cp_shared_kv.transfer.startup import RegisteredBuffers
 from sglang_cp_shared_kv.transfer.stats import RankCounters, TransferStats
 
@@ -110,6 +111,11 @@ class ShardWrites:
     def send_aux(self, original, kv_mgr, req, prefill_aux_index, dst_aux_ptrs):
         """``send_aux`` unless the request already failed (rejected, or its index write)."""
         if getattr(req, FAILED_ATTR, None) is not None or self._rejected.get(req.room) is not None:
+            if installed.INSTALLED.deferred_decode_release and failure_recorded(kv_mgr, req.room):
+                # NOTE: nothing of this write was submitted: a -1 would withhold this rank's
+                # drain acknowledgement and keep decode's pages for its release timeout (30 s);
+                # SGLang concludes the room Failed from its failure record instead
+                return 0
             return -1  # the request already failed; SGLang makes a failed aux write Failed on both sides
         ret = original(kv_mgr, req, prefill_aux_index, dst_aux_ptrs)
         if ret != 0:
