@@ -107,6 +107,35 @@ def test_each_unsupported_setting_is_named_with_its_fix(hopper, tiny_nsa_model, 
     assert named in message and message.count("\n  - ") == 1
 
 
+def test_the_kv_checksum_is_refused_on_the_prefill_saying_why_and_the_fix(hopper, tiny_nsa_model):
+    """SGLang's KvChecksumComputer digests logical page ids against this rank's physical shard
+    buffers (out-of-bounds reads on the GPU), and every CP rank writes its own digest into the
+    same decode aux slot: refused under the flag; stock keeps the option."""
+    message = _problems(_args(tiny_nsa_model, "--disaggregation-enable-kv-checksum"))
+    assert message.count("\n  - ") == 1
+    problem = message.split("\n  - ")[1]
+    assert problem.startswith("--disaggregation-enable-kv-checksum: ") and "turn it off" in problem
+    assert "logical page ids" in problem and "physical shard" in problem and "decode server" in problem
+    stock = _args(tiny_nsa_model, "--disaggregation-enable-kv-checksum", flag=None)
+    stock.resolve_once()
+    stock.check_server_args()
+
+
+def test_the_kv_checksum_on_a_decode_server_is_left_to_sglang(hopper, tiny_nsa_model):
+    """Decode under the flag holds a stock (unsharded) pool; with the prefill refusing the
+    option no digest arrives and SGLang skips the check (signature 0; the checksum is the
+    last aux buffer, so the prefill's buffer-count ERROR at registration misaligns nothing):
+    the decode server is not refused for it."""
+    from sglang.srt.server_args import prepare_server_args
+
+    decode = prepare_server_args(
+        ["--model-path", tiny_nsa_model, "--load-format", "dummy", "--skip-tokenizer-init", "--device", "cuda",
+         "--tp", "1", "--page-size", "64", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+         "mooncake", FLAG, "--disaggregation-enable-kv-checksum"])
+    decode.resolve_once()
+    assert server_args_dsa.configuration_problems(decode) == []
+
+
 def test_every_cp_rank_sending_is_required(hopper, tiny_nsa_model, monkeypatch):
     monkeypatch.delenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")
     assert "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is not set" in _problems(_args(tiny_nsa_model))

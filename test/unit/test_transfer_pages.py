@@ -7,6 +7,8 @@ test/integration/test_transfer_hooks.py.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ from sglang_cp_shared_kv.transfer.failure_cause import (
     encode_failure_cause,
     parse_failure_cause,
 )
+from sglang_cp_shared_kv.transfer import pages
 from sglang_cp_shared_kv.transfer.pages import (
     DEFAULT_MAX_DESCRIPTORS_PER_BATCH,
     MAX_DESCRIPTORS_ENV,
@@ -39,6 +42,8 @@ from sglang_cp_shared_kv.transfer.pages import (
 )
 
 AUX_DATA_HEADER = b"AUX_DATA"  # SGLang's MooncakeKVManager.AUX_DATA_HEADER (opaque here)
+#: Mooncake's names (checked against the installed engine; docs/transfer.md), spelled out here
+QUEUED, PENDING = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"
 
 
 # ------------------------------------------------------------ chunk filter
@@ -166,11 +171,35 @@ def test_bounded_batches():
     assert bounded_batches([], 3) == [[]]
 
 
-def test_a_rejected_batch_names_the_lane():
-    batch = [(0, 0, 10)] * 3
-    cause = rejected_batch_cause(-1, 2, 3, batch, "peer", 3)
+def test_a_small_rejected_batch_does_not_blame_the_lane():
+    """Every non-zero return gets this text (RDMA, a dead or restarted decode, a timeout):
+    a batch far under what the TCP lane admits points at the peer instead."""
+    cause = rejected_batch_cause(-1, 2, 3, [(0, 0, 10)] * 3, "peer", 3, environ={})
     assert "returned -1 for batch 2 of 3 (3 descriptors, 30 bytes) to peer" in cause
-    assert TCP_LANE_QUEUE_ENV in cause and f"{MAX_DESCRIPTORS_ENV} (now 3)" in cause
+    assert "the lane limit is not the cause" in cause and "unreachable, restarted or dead" in cause
+    assert f"{QUEUED} + {PENDING} = 1024 + 1024" in cause
+    assert "was full" not in cause and "if Mooncake's TCP transport" not in cause
+
+
+def test_a_rejected_batch_near_the_lane_names_both_settings_as_a_possibility():
+    cause = rejected_batch_cause(-3, 1, 1, [(0, 0, 10)] * 1024, "peer", 1024, environ={})
+    assert "returned -3 for batch 1 of 1 (1024 descriptors, 10240 bytes) to peer" in cause
+    assert "if Mooncake's TCP transport is in use" in cause and "not the cause" not in cause
+    assert f"about {QUEUED} + {PENDING} = 1024 + 1024 entries (Mooncake's defaults: 1024 + 1024)" in cause
+    assert f"keep {MAX_DESCRIPTORS_ENV} (now 1024) well under it" in cause and "unreachable or restarted" in cause
+    # the lane this process's engine runs with, as it reads the two settings
+    lane = {QUEUED: "8", PENDING: "4"}
+    near = rejected_batch_cause(-1, 1, 1, [(0, 0, 10)] * 6, "peer", 6, environ=lane)
+    assert f"{QUEUED} + {PENDING} = 8 + 4" in near and "if Mooncake's TCP transport" in near
+    assert "not the cause" in rejected_batch_cause(-1, 1, 1, [(0, 0, 10)] * 5, "peer", 6, environ=lane)
+
+
+def test_the_lane_settings_read_as_mooncake_reads_them():
+    assert (TCP_LANE_QUEUE_ENV, pages.TCP_LANE_PENDING_ENV) == (QUEUED, PENDING)
+    assert pages.tcp_lane_settings({}) == (1024, 1024)
+    assert pages.tcp_lane_settings({QUEUED: "65535", PENDING: " 1 "}) == (65535, 1)
+    for ignored in ("0", "65536", "100000", "-5", "lots", "\u00b2", ""):  # Mooncake: "Invalid ..., using default"
+        assert pages.tcp_lane_settings({QUEUED: ignored, PENDING: ignored}) == (1024, 1024)
 
 
 def test_batch_size_setting():
@@ -182,6 +211,22 @@ def test_batch_size_setting():
     for bad in ("0", "-3", "many"):
         with pytest.raises(CpSharedKVTransferError, match=MAX_DESCRIPTORS_ENV):
             resolve_max_descriptors_per_batch({MAX_DESCRIPTORS_ENV: bad})
+
+
+def test_an_explicit_batch_size_above_the_lane_warns_at_startup(caplog):
+    """Kept (RDMA has no such lane), but said once at startup: on TCP it fails while serving."""
+    with caplog.at_level(logging.WARNING, logger=pages.__name__):
+        assert resolve_max_descriptors_per_batch({}) == 1024
+        assert resolve_max_descriptors_per_batch({MAX_DESCRIPTORS_ENV: "2048"}) == 2048
+        assert resolve_max_descriptors_per_batch({MAX_DESCRIPTORS_ENV: "100", QUEUED: "60", PENDING: "40"}) == 100
+    assert caplog.records == []
+    with caplog.at_level(logging.WARNING, logger=pages.__name__):
+        assert resolve_max_descriptors_per_batch({MAX_DESCRIPTORS_ENV: "2049"}) == 2049
+        assert resolve_max_descriptors_per_batch({MAX_DESCRIPTORS_ENV: "101", QUEUED: "60", PENDING: "40"}) == 101
+    first, second = caplog.records
+    assert first.levelno == logging.WARNING and f"{MAX_DESCRIPTORS_ENV}=2049 exceeds" in first.getMessage()
+    assert f"{QUEUED} + {PENDING} = 1024 + 1024" in first.getMessage()
+    assert f"{MAX_DESCRIPTORS_ENV}=101 exceeds" in second.getMessage() and "= 60 + 40" in second.getMessage()
 
 
 # ------------------------------------------------------------- NSA index state

@@ -49,7 +49,8 @@ TESTING_ALLOW_NON_PD_ENV = "SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"
 
 #: Mooncake descriptors per PD transfer batch (``transfer/pages.py``): the default, capped by
 #: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` when that is set lower, keeps every batch
-#: under the TCP lane's queue (2,048 entries by default).
+#: under what the TCP lane admits to a peer at once (queued + pending entries, 1,024 + 1,024
+#: by default).
 TRANSFER_BATCH_DESCRIPTORS_ENV = "SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS"
 DEFAULT_TRANSFER_BATCH_DESCRIPTORS = 1024
 

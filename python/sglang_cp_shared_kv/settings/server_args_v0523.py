@@ -216,5 +216,10 @@ def configuration_problems(server_args) -> List[str]:
         refuse(f"--disaggregation-mode {cfg.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV; run this server with --disaggregation-mode "
                "prefill and a separate (non-CP) decode server with the flag.")
+    elif cfg.disaggregation_enable_kv_checksum:
+        refuse("--disaggregation-enable-kv-checksum",
+               "SGLang's checksum reads a request's logical page ids from this rank's physical shard (out of "
+               "bounds on the GPU) and every CP rank writes its own digest to decode's one slot (every request "
+               "fails as a mismatch); turn it off: remove it from this server and from the decode server.")
     prefill_feature_problems(cfg, refuse)
     return problems

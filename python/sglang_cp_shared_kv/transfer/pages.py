@@ -9,6 +9,7 @@ imports SGLang or torch, so it runs (and is unit-tested) where neither is instal
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -19,8 +20,20 @@ from sglang_cp_shared_kv.settings.config import DEFAULT_TRANSFER_BATCH_DESCRIPTO
 from sglang_cp_shared_kv.settings.config import TRANSFER_BATCH_DESCRIPTORS_ENV as MAX_DESCRIPTORS_ENV
 from sglang_cp_shared_kv.cp_shared_kv_layout import DUMMY_PAGE, CpSharedKVLayout
 
-#: Mooncake's TCP transport admits this many queued entries per peer (default 2,048).
+logger = logging.getLogger(__name__)
+
+#: Mooncake's TCP transport (the fallback without RDMA) admits one batch to a peer up to
+#: about these two together: entries queued on the peer's lanes plus entries waiting for
+#: admission.
 TCP_LANE_QUEUE_ENV = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+TCP_LANE_PENDING_ENV = "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"
+#: NOTE: Mooncake's default for each of the two, and the range it takes (outside it, it logs
+#: "Invalid ... using default 1024"). Measured on mooncake-transfer-engine 0.3.13.post1 (TCP
+#: loopback, docs/transfer.md): with the defaults a 2,048-entry batch passed and a
+#: 2,100-entry one failed; with both at 512, 1,024 passed and 1,100 failed; 65,535 is taken,
+#: 100,000 falls back to the default.
+TCP_LANE_DEFAULT = 1024
+TCP_LANE_RANGE = (1, 65535)
 
 
 class CpSharedKVTransferError(RuntimeError):
@@ -204,19 +217,48 @@ def bounded_batches(blocks: Sequence, limit: int) -> List[list]:
     return [blocks[i:i + limit] for i in range(0, len(blocks), limit)]
 
 
-def rejected_batch_cause(ret: int, number: int, batches: int, batch: Sequence, peer: str, limit: int) -> str:
-    """The cause text of batch ``number`` of ``batches`` that Mooncake refused with ``ret``."""
+def tcp_lane_settings(environ: Mapping[str, str] = os.environ) -> Tuple[int, int]:
+    """The TCP lane's (queued, pending) entries per peer as Mooncake reads them from
+    ``environ``: a value it would not take stands for its default."""
+    def read(name: str) -> int:
+        text = environ.get(name, "").strip()
+        low, high = TCP_LANE_RANGE
+        return int(text) if text.isascii() and text.isdigit() and low <= int(text) <= high else TCP_LANE_DEFAULT
+
+    return read(TCP_LANE_QUEUE_ENV), read(TCP_LANE_PENDING_ENV)
+
+
+def rejected_batch_cause(ret: int, number: int, batches: int, batch: Sequence, peer: str, limit: int,
+                         environ: Mapping[str, str] = os.environ) -> str:
+    """The cause text of batch ``number`` of ``batches`` that Mooncake refused with ``ret``.
+
+    Any non-zero return ends here (RDMA or TCP, a dead or restarted decode, a timeout), so
+    the TCP lane is named only as a possibility, and only for a batch large enough to hit it."""
     nbytes = sum(length for _, _, length in batch)
-    return (f"Mooncake batch_transfer_sync_write returned {ret} for batch {number} of "
-            f"{batches} ({len(batch)} descriptors, {nbytes} bytes) to {peer}; "
-            "on Mooncake's TCP transport a rejected batch means the per-peer lane queue "
-            f"({TCP_LANE_QUEUE_ENV}, default 2048) was full: keep {MAX_DESCRIPTORS_ENV} "
-            f"(now {limit}) below it")
+    queued, pending = tcp_lane_settings(environ)
+    lane = f"{TCP_LANE_QUEUE_ENV} + {TCP_LANE_PENDING_ENV} = {queued} + {pending}"
+    head = (f"Mooncake batch_transfer_sync_write returned {ret} for batch {number} of "
+            f"{batches} ({len(batch)} descriptors, {nbytes} bytes) to {peer}")
+    # NOTE: half the lane: another write of this rank to the same peer can be in flight at
+    # the same time (another transfer queue, or SGLang's per-layer writes with a custom
+    # memory pool), and the two share the peer's admission.
+    if 2 * len(batch) < queued + pending:
+        return (f"{head}; that is well under what Mooncake's TCP transport admits per peer (about {lane} "
+                "entries), so the lane limit is not the cause: the decode peer is likely unreachable, "
+                "restarted or dead (its Mooncake session gone), or the transport failed or timed out "
+                "(RDMA or TCP; see Mooncake's log)")
+    return (f"{head}; if Mooncake's TCP transport is in use (no RDMA), the batch is near or above what it "
+            f"admits per peer, about {lane} entries (Mooncake's defaults: {TCP_LANE_DEFAULT} + "
+            f"{TCP_LANE_DEFAULT}), shared by this rank's writes in flight to that peer: keep "
+            f"{MAX_DESCRIPTORS_ENV} (now {limit}) well under it, or raise both; otherwise the decode peer "
+            "is unreachable or restarted, or the transport failed or timed out (see Mooncake's log)")
 
 
 def resolve_max_descriptors_per_batch(environ: Mapping[str, str] = os.environ) -> int:
     """Descriptors per Mooncake batch: the explicit setting, else the default capped by
-    the TCP lane's queue size when that is configured lower."""
+    the TCP lane's queue size when that is configured lower. An explicit setting above
+    what the TCP lane admits at once is kept, with a WARNING: on TCP such a batch is
+    refused while serving, and the peer may keep failing afterwards."""
     explicit = environ.get(MAX_DESCRIPTORS_ENV, "").strip()
     if explicit:
         try:
@@ -225,6 +267,13 @@ def resolve_max_descriptors_per_batch(environ: Mapping[str, str] = os.environ) -
             value = 0
         if value < 1:
             raise CpSharedKVTransferError(f"{MAX_DESCRIPTORS_ENV}={explicit!r} must be a positive integer")
+        queued, pending = tcp_lane_settings(environ)
+        if value > queued + pending:
+            logger.warning(
+                "%s=%d exceeds what Mooncake's TCP transport admits per peer at once (about %s + %s = %d + %d "
+                "entries): on TCP (no RDMA) a batch that large is refused and the request fails; lower %s or "
+                "raise both (with RDMA this does not apply).", MAX_DESCRIPTORS_ENV, value, TCP_LANE_QUEUE_ENV,
+                TCP_LANE_PENDING_ENV, queued, pending, MAX_DESCRIPTORS_ENV)
         return value
     limit = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
     lane = environ.get(TCP_LANE_QUEUE_ENV, "").strip()
@@ -234,8 +283,10 @@ def resolve_max_descriptors_per_batch(environ: Mapping[str, str] = os.environ) -
 
 
 __all__ = [
-    "TCP_LANE_QUEUE_ENV", "MAX_DESCRIPTORS_ENV", "DEFAULT_MAX_DESCRIPTORS_PER_BATCH", "CpSharedKVTransferError",
+    "TCP_LANE_QUEUE_ENV", "TCP_LANE_PENDING_ENV", "TCP_LANE_DEFAULT", "TCP_LANE_RANGE",
+    "MAX_DESCRIPTORS_ENV", "DEFAULT_MAX_DESCRIPTORS_PER_BATCH", "CpSharedKVTransferError",
     "ChunkPositions", "filter_chunk", "Destination", "chunk_problem", "kv_descriptors",
     "OwnedStatePages", "own_state_pages", "state_pages_to_send",
-    "contiguous_runs", "bounded_batches", "rejected_batch_cause", "resolve_max_descriptors_per_batch",
+    "contiguous_runs", "bounded_batches", "tcp_lane_settings", "rejected_batch_cause",
+    "resolve_max_descriptors_per_batch",
 ]
