@@ -275,11 +275,8 @@ def resolve_max_descriptors_per_batch(environ: Mapping[str, str] = os.environ) -
                 "raise both (with RDMA this does not apply).", MAX_DESCRIPTORS_ENV, value, TCP_LANE_QUEUE_ENV,
                 TCP_LANE_PENDING_ENV, queued, pending, MAX_DESCRIPTORS_ENV)
         return value
-    limit = DEFAULT_MAX_DESCRIPTORS_PER_BATCH
-    lane = environ.get(TCP_LANE_QUEUE_ENV, "").strip()
-    if lane.isdigit() and int(lane) > 0:
-        limit = min(limit, int(lane))
-    return limit
+    # (an unset or out-of-range lane reads as Mooncake's default, which is the default here too)
+    return min(DEFAULT_MAX_DESCRIPTORS_PER_BATCH, tcp_lane_settings(environ)[0])
 
 
 __all__ = [
