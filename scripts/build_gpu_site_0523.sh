@@ -278,6 +278,7 @@ echo "image nvidia libs: $imgnv"; grep -iE '^(torch|triton|nvidia-(nccl|cudnn|cu
 if [ ! -f "$site/torch/__init__.py" ]; then
   (cd "$d" && sha256sum -c --quiet --ignore-missing SHA256SUMS) || { echo "parts corrupt"; exit 1; }
   mkdir -p "$site" && cat "$d"/torch.tar.xz.part* | xz -dc -T0 | tar -x -C "$site" || exit 1
+  touch "$site/.unpacked-torch"  # scripts/gpu_session.sh (SITE0523=1) then leaves the group as it is
 fi
 export LD_LIBRARY_PATH=$imgnv/cu13/lib:$imgnv/cudnn/lib:$imgnv/cusparselt/lib:$imgnv/nccl/lib:$imgnv/nvshmem/lib
 export PYTHONPATH=$site PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1 NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1

@@ -44,6 +44,17 @@ every position, so must on and off_a, and the negative control must differ somew
 --tp 1 runs the flag-off servers only, without CP, on one GPU (off_a, off_b): the
 determinism probe, with and without --stable-topk.
 
+On sglang 0.5.23 (picked from the installed release, ``releases.installed``) the same runs
+take 0.5.23's options (``_interleave_command``: --enable-prefill-cp --cp-strategy interleave,
+--dsa-*-backend flashmla_sparse, the flag as --enable-prefill-cp-shared-kv; flag-off runs the
+same command minus the flag) and the same prompts, plus a batch of four short prompts posted
+as one request (BATCH_SOURCE's note: several requests in one prefill batch), which every run
+must prefill as one batch (``batch_checks``, from the server log) and answer like the rest.
+Interleave gathers every chunk on every rank, so the write-path check becomes "every CP rank
+ran every forward through the shared pool" (``interleave_write_path_problem``); the report
+adds ``cp_strategy``, ``prefill_batches`` and ``batch_checks`` (the in-seq-split report is
+unchanged).
+
 Each run's logprobs and startup figures are kept in --workdir, so the four servers can
 be run in separate invocations (--runs off_a,on then --runs off_b,on_corrupt); the
 report compares whatever runs the workdir holds and passes only when all four are there.
@@ -63,6 +74,8 @@ import time
 import urllib.error
 from pathlib import Path
 
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.settings.config import FLAG_ALIAS
 from sglang_cp_shared_kv_testing import shared_gpu
 from sglang_cp_shared_kv_testing.server import (
     TINY_DSV32,
@@ -71,6 +84,7 @@ from sglang_cp_shared_kv_testing.server import (
     e2e_env,
     flush_cache,
     post,
+    prefill_batches,
     prometheus_labels,
     prometheus_samples,
     stable_topk_problem,
@@ -122,6 +136,43 @@ MID_PAGE_HIT = MID_PAGE_SHARED // PAGE * PAGE
 #: prompt: the tokens it must find cached (``radix_checks``)
 RADIX_HITS = {"radix_hit_3k_prefix": RADIX_PREFIX, "radix_mid_page": MID_PAGE_HIT}
 
+#: The prefill CP strategy of the installed SGLang (``releases``: in-seq-split on 0.5.12.post1,
+#: interleave on 0.5.23), which picks the command line and the checks; the GPU-verified
+#: release's where no served SGLang is installed (the tests of this script's parts).
+CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
+INTERLEAVE = "interleave"
+
+# --- interleave (0.5.23) only ------------------------------------------------------------------
+#: NOTE: interleave CP deals a batch's tokens out round robin (``layers/cp/interleave.py``) and
+#: pads them to a multiple of N; it gathers every chunk on every rank, so there is no
+#: "stored where computed" path and no multiple of 2N to keep: CHUNK and the prompts above stay
+#: as they are (a multi-chunk prompt, radix hits at a chunk boundary and mid-page, over_rank_pool,
+#: uneven lengths and last chunks of 13 and 1 tokens all apply unchanged).
+#:
+#: Several requests in one prefill batch (``forward/several_requests_v0523.py``): BATCH_SOURCE is
+#: posted alone after the prompts above (a fresh cache), then BATCH_PROMPTS in ONE /generate
+#: request (a list of input_ids). NOTE on bit-exactness: a batch's logprobs depend on its
+#: composition (GEMM shapes, the round-robin deal), so concurrent posts whose batching depends on
+#: timing could differ from run to run for reasons that have nothing to do with the flag. One
+#: request carrying the list reaches the scheduler as one message (``_send_batch_request``: input
+#: ids without text, no DP attention), the scheduler is idle then (BATCH_SOURCE answered), and the
+#: four fit one chunk (1,051 new tokens < CHUNK): they are admitted together, the same way in every
+#: run. ``batch_checks`` reads each run's log to prove it (a prefill batch of exactly these
+#: requests and tokens); only then are their logprobs compared (exactly, like the rest: the
+#: same rule, ``verdict``), and a run that batched them otherwise fails that check by name.
+BATCH_SOURCE = "batch_prefix_source"
+BATCH_PREFIX = 16 * PAGE  # the tokens two batch-mates share with BATCH_SOURCE, cached by it
+#: name: (tokens after the shared prefix (None: no prefix), fresh tokens); in the batch's order
+BATCH_LAYOUT = {
+    "batch_shares_prefix_a": (BATCH_PREFIX, 200),  # two requests of one batch on the same cached pages
+    "batch_shares_prefix_b": (BATCH_PREFIX, 333),
+    "batch_fresh_517": (None, 517),  # no history, an odd length
+    "batch_one_token": (None, 1),  # shorter than N: absent from some ranks' tables
+}
+BATCH_PROMPTS = tuple(BATCH_LAYOUT)
+#: prompt: the tokens it must find cached (``radix_checks``), interleave only
+BATCH_RADIX_HITS = {name: BATCH_PREFIX for name, (prefix, _) in BATCH_LAYOUT.items() if prefix}
+
 
 def over_rank_pool_tokens(cp_size: int) -> int:
     """More than one rank's physical pool, less than ``cp_size`` of them: (2N - 1) / 2 x POOL
@@ -155,8 +206,33 @@ def prompts(cp_size: int):
     }
 
 
+def batch_prompts():
+    """Interleave only: {name: (token ids, logprob start)}, BATCH_SOURCE first, then
+    BATCH_PROMPTS in the batch's order (module constants above)."""
+    import numpy as np
+
+    def tokens(seed, n):
+        return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
+
+    source = tokens(20, BATCH_PREFIX + 256)
+    out = {BATCH_SOURCE: (source, 0)}
+    for seed, (name, (prefix, fresh)) in enumerate(BATCH_LAYOUT.items(), start=21):
+        out[name] = ((source[:prefix] if prefix else []) + tokens(seed, fresh), prefix or 0)
+    return out
+
+
 def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path, extra_args=(), extra_env=None):
     """Start run ``name``'s server (``extra_args`` / ``extra_env`` on top: other scripts' runs)."""
+    cmd, env = server_command(flag_on, corrupt_rank, pool, model, port, args, extra_args, extra_env)
+    return start_server(name, cmd, env, port, log_path, args.boot_timeout)
+
+
+def server_command(flag_on, corrupt_rank, pool, model, port, args, extra_args=(), extra_env=None,
+                   cp_strategy=None):
+    """(the command line, the environment) of a run's server: :func:`launch` without starting it.
+    ``cp_strategy``: the installed release's (CP_STRATEGY) unless given."""
+    if (cp_strategy or CP_STRATEGY) == INTERLEAVE:
+        return _interleave_command(flag_on, corrupt_rank, pool, model, port, args, extra_args, extra_env)
     fraction = shared_gpu.MEM_FRACTION_STATIC if args.share_gpu else 0.5
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
            "--skip-tokenizer-init", "--trust-remote-code", "--tp", str(args.tp), "--page-size", "64",
@@ -188,7 +264,73 @@ def launch(name, flag_on, corrupt_rank, pool, model, port, args, log_path, extra
         env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
     cmd += list(extra_args)
     env.update(extra_env or {})
-    return start_server(name, cmd, env, port, log_path, args.boot_timeout)
+    return cmd, env
+
+
+#: 0.5.23 (interleave): what turns off the short-prompt dense MHA path (0.5.12.post1's
+#: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD, renamed with NSA -> DSA). NOTE: under prefill
+#: CP SGLang never takes it (``set_dsa_prefill_impl``: ``not is_dsa_enable_prefill_cp()``); it
+#: matters without CP (--tp 1), where that path would call FlashAttention 3, which the GPU
+#: bundle lacks. Set explicitly in every run (else SGLang sets it to index_topk and says so).
+DSA_DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
+#: the flag in 0.5.23's words (the plugin registers this spelling on 0.5.23 only)
+INTERLEAVE_FLAG = FLAG_ALIAS
+
+
+def _interleave_command(flag_on, corrupt_rank, pool, model, port, args, extra_args, extra_env):
+    """0.5.23's options for the same server (see :func:`server_command`). Mapped from the
+    in-seq-split command option by option:
+
+    * ``--tp`` -> ``--tp-size`` (``--tp`` is only an abbreviation there);
+    * ``--disable-cuda-graph`` (deprecated) and ``--disable-piecewise-cuda-graph`` (gone: the
+      piecewise graph is the prefill phase's graph) -> ``--disable-decode-cuda-graph
+      --disable-prefill-cuda-graph``, flag off and on alike: 0.5.23 turns the breakable prefill
+      graph on for interleave DSA CP, the flag turns it off with a WARNING, and the flag-off
+      runs must run the same eager forward;
+    * ``--nsa-*-backend`` -> ``--dsa-prefill-backend flashmla_sparse --dsa-decode-backend
+      flashmla_sparse`` for both KV dtypes: SGLang's Hopper defaults are flashmla_kv for fp8 and
+      fa3 for the bf16 decode (FlashAttention 3 is not in the GPU bundle); the flag refuses only
+      trtllm as the decode backend of a prefill server; no decode step runs here;
+    * ``--enable-nsa-prefill-context-parallel --nsa-prefill-cp-mode in-seq-split`` ->
+      ``--enable-prefill-cp --cp-strategy interleave``; the flag as ``--enable-prefill-cp-shared-kv``;
+    * ``--disable-flashinfer-autotune`` added: the flag declares it off (its warmup runs a
+      decode-shaped dummy forward); said here so the flag-off runs match;
+    * ``--enable-metrics`` in every run (the flag-on run's write-path counter; the others, so
+      that a flag-off command is the flag-on one minus the flag);
+    * the rest keep their names (``--page-size``, ``--mem-fraction-static``,
+      ``--max-total-tokens``, ``--random-seed``, ``--nccl-port``, ``--kv-cache-dtype``,
+      ``--chunked-prefill-size``, ``--sampling-backend pytorch``, ``--skip-server-warmup``,
+      ``--disable-overlap-schedule``, ``--disable-custom-all-reduce``).
+    """
+    fraction = shared_gpu.MEM_FRACTION_STATIC if args.share_gpu else 0.5
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--load-format", "dummy",
+           "--skip-tokenizer-init", "--trust-remote-code", "--tp-size", str(args.tp), "--page-size", str(PAGE),
+           "--mem-fraction-static", str(fraction), "--max-total-tokens", str(pool),
+           "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", "--disable-flashinfer-autotune",
+           "--random-seed", "0", "--port", str(port), "--nccl-port", str(port + 5),
+           "--kv-cache-dtype", args.kv_cache_dtype, "--chunked-prefill-size", str(CHUNK),
+           "--sampling-backend", "pytorch",
+           # no decode here (as in-seq-split: a shared-KV prefill rank refuses decode)
+           "--skip-server-warmup", "--disable-overlap-schedule",
+           "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+           # every run, so that a flag-off run's command is the flag-on one's minus the flag
+           "--enable-metrics"]
+    if args.tp > 1:
+        cmd += ["--enable-prefill-cp", "--cp-strategy", INTERLEAVE, "--disable-custom-all-reduce"]
+    env = e2e_env({DSA_DENSE_THRESHOLD_ENV: "0"})
+    if args.share_gpu:
+        cmd += shared_gpu.server_args()
+        env.update(shared_gpu.env())
+    if args.stable_topk:
+        env["CPSKV_E2E_STABLE_TOPK"] = "1"
+    if flag_on:
+        cmd += [INTERLEAVE_FLAG]
+        env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
+    if corrupt_rank is not None:
+        env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
+    cmd += list(extra_args)
+    env.update(extra_env or {})
+    return cmd, env
 
 
 def generate(port, ids, start):
@@ -211,6 +353,29 @@ def logprobs(port, ids, start):
     """(:func:`generate`'s logprobs; the tokens it found in the radix cache)."""
     result, meta = generate(port, ids, start)
     return result, meta.get("cached_tokens")
+
+
+def logprobs_of_batch(port, requests):
+    """Interleave: ``requests`` ({name: (ids, start)}) in ONE /generate request (one message to
+    the scheduler: BATCH_SOURCE's note): {name: (logprobs or {"refused": ...}, cached tokens)}."""
+    names = list(requests)
+    body = {"input_ids": [requests[n][0] for n in names], "return_logprob": True,
+            "logprob_start_len": [requests[n][1] for n in names],
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    try:
+        outs = post(port, "/generate", body, timeout=300)
+    except urllib.error.HTTPError as exc:
+        refused = {"refused": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[-500:]}"}
+        return {n: (refused, None) for n in names}
+    results = {}
+    for name, out in zip(names, outs):
+        meta = out["meta_info"]
+        finish = meta.get("finish_reason") or {}
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            results[name] = ({"refused": str(finish.get("message"))}, meta.get("cached_tokens"))
+        else:
+            results[name] = ([x[0] for x in meta["input_token_logprobs"]], meta.get("cached_tokens"))
+    return results
 
 
 def answered(results, *runs):
@@ -270,8 +435,47 @@ def write_paths_by_rank(samples):
     return dict(sorted(ranks.items()))
 
 
-def capacity_checks(runs, cp_size):
-    """The capacity side (module docstring) over the runs present."""
+def interleave_write_path_problem(samples, cp_size, min_forwards):
+    """Interleave (0.5.23): why the flag-on run's write-path counter does not show the shared
+    pool on every CP rank's every forward (None: it does). NOTE: interleave computes and gathers
+    every chunk on every rank (``forward/hooks_v0523.attach_batch_state`` counts each forward
+    ``index=gathered,mla=gathered``); in-seq-split's "some stored where computed, others
+    gathered" has no counterpart there. What does: every rank counted, only gathered forwards,
+    the same number on every rank (each runs every forward of the group), and at least
+    ``min_forwards`` (the chunks the run answered: at least one forward each)."""
+    counted = {}
+    for labels, value in samples.items():
+        fields = prometheus_labels(labels)
+        if (fields.get("index"), fields.get("mla")) != ("gathered", "gathered"):
+            return f"a forward counted as index={fields.get('index')},mla={fields.get('mla')}: {labels}"
+        rank = int(fields["cp_rank"])
+        counted[rank] = counted.get(rank, 0) + int(value)
+    if sorted(counted) != list(range(cp_size)):
+        return f"forwards counted on CP ranks {sorted(counted)}, expected 0..{cp_size - 1}"
+    if len(set(counted.values())) != 1:
+        return f"CP ranks counted different numbers of forwards: {counted}"
+    if counted[0] < min_forwards:
+        return f"{counted[0]} forwards counted per rank, fewer than the {min_forwards} chunks answered"
+    return None
+
+
+def chunks_answered(run, requests):
+    """The prefill forwards run ``run`` needed at least: one per CHUNK of each prompt it
+    answered, after its logprob start (its cache hit), the batch (BATCH_PROMPTS) one in all."""
+    total, batch = 0, False
+    for prompt, (ids, start) in requests.items():
+        if not isinstance(run["logprobs"].get(prompt), list):
+            continue
+        if prompt in BATCH_PROMPTS:
+            batch = True
+            continue
+        total += -(-(len(ids) - start) // CHUNK)
+    return total + int(batch)
+
+
+def capacity_checks(runs, cp_size, cp_strategy=None, requests=None):
+    """The capacity side (module docstring) over the runs present (``cp_strategy``: the
+    installed release's unless given; ``requests``: the prompts posted, interleave only)."""
     checks = {}
     refused = lambda run: isinstance(runs[run]["logprobs"]["over_rank_pool"], dict)  # noqa: E731
     if "off_b" in runs:
@@ -283,18 +487,37 @@ def capacity_checks(runs, cp_size):
         shared = runs["on"]["startup"]["shared"]
         checks[f"on: {POOL} physical tokens per rank, {cp_size} x as many logical"] = (
             bool(shared) and all(p == POOL and logical == cp_size * p for p, logical in shared))
+        if (cp_strategy or CP_STRATEGY) == INTERLEAVE:
+            problem = interleave_write_path_problem(runs["on"].get("write_paths", {}), cp_size,
+                                                    max(1, chunks_answered(runs["on"], requests or {})))
+            checks["on: every CP rank ran every forward through the shared pool (gathered)"] = problem is None
+            return checks
         paths = write_paths_by_rank(runs["on"].get("write_paths", {}))
         checks["on: every CP rank stored some forwards where computed and gathered others"] = (
             sorted(paths) == list(range(cp_size)) and all(v["local"] > 0 and v["gathered"] > 0 for v in paths.values()))
     return checks
 
 
-def radix_checks(runs):
-    """Each radix-hit prompt (RADIX_HITS) found its prefix in every run's cache (else it is
-    one more fresh prompt, and the path a prefix takes goes unchecked)."""
+def radix_checks(runs, cp_strategy=None):
+    """Each radix-hit prompt (RADIX_HITS; with interleave BATCH_RADIX_HITS too) found its prefix
+    in every run's cache (else it is one more fresh prompt, and the path a prefix takes goes
+    unchecked)."""
+    hits = {**RADIX_HITS, **BATCH_RADIX_HITS} if (cp_strategy or CP_STRATEGY) == INTERLEAVE else RADIX_HITS
     return {f"{name}: {prompt} found its {cached} tokens cached":
             (run.get("cached_tokens", {}).get(prompt) or 0) >= cached
-            for name, run in runs.items() for prompt, cached in RADIX_HITS.items()}
+            for name, run in runs.items() for prompt, cached in hits.items()}
+
+
+def batch_checks(runs, requests):
+    """Interleave: every run prefilled BATCH_PROMPTS as one batch, its log says so (a prefill
+    batch of exactly len(BATCH_PROMPTS) requests and their tokens, new plus cached), so their
+    logprobs are comparable exactly (BATCH_SOURCE's note). ``run["prefill_batches"]``: the
+    batches its log reported (``server.prefill_batches``)."""
+    want_seqs = len(BATCH_PROMPTS)
+    want_tokens = sum(len(requests[name][0]) for name in BATCH_PROMPTS)
+    return {f"{name}: the {want_seqs} batch prompts prefilled in one batch ({want_tokens} tokens)":
+            any(seqs == want_seqs and new + cached == want_tokens for seqs, new, cached in run.get("prefill_batches", []))
+            for name, run in runs.items()}
 
 
 def one_run(name, model, requests, args, log_path):
@@ -306,14 +529,23 @@ def one_run(name, model, requests, args, log_path):
     run = {"boot_s": round(time.monotonic() - t0, 1), "pool": pool, "logprobs": {}, "cached_tokens": {}}
     try:
         for prompt, (ids, start) in requests.items():
+            if prompt in BATCH_PROMPTS:
+                continue  # posted together below, with no flush before them
             if start == 0:  # fresh prompts run from an empty cache; the radix-hit one reuses it
                 flush_cache(port)
             run["logprobs"][prompt], run["cached_tokens"][prompt] = logprobs(port, ids, start)
+        batch = {prompt: requests[prompt] for prompt in BATCH_PROMPTS if prompt in requests}
+        if batch:  # interleave: right after BATCH_SOURCE (no flush: its prefix is their cache hit)
+            for prompt, (result, cached) in logprobs_of_batch(port, batch).items():
+                run["logprobs"][prompt], run["cached_tokens"][prompt] = result, cached
         if flag_on:
             run["write_paths"] = prometheus_samples(port, WRITE_PATHS_METRIC)
     finally:
         stop(proc)
-    run["startup"] = startup_figures(log_path.read_text())
+    log_text = log_path.read_text()
+    run["startup"] = startup_figures(log_text)
+    if CP_STRATEGY == INTERLEAVE:
+        run["prefill_batches"] = prefill_batches(log_text)
     problems = []
     if args.stable_topk:  # every TP rank must have taken it, else the comparison is not exact
         problems.append(stable_topk_problem(run["startup"], name, log_path, args.tp))
@@ -353,6 +585,8 @@ def main():
     model = write_model(work / "tiny-dsv32-64k", MODEL)
     os.environ.setdefault("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     requests = prompts(args.tp)
+    if CP_STRATEGY == INTERLEAVE:
+        requests.update(batch_prompts())
     runs, failed = accumulate_runs(
         work, tag, selected, layout_runs,
         lambda name: one_run(name, str(model), requests, args, logdir / f"{name}.{tag}.log"), "e2e",
@@ -399,11 +633,16 @@ def main():
             entry["pass"] = bool(entry["checks"]) and all(entry["checks"].values())
             ok &= entry["pass"]
         report["prompts"][prompt] = entry
-    report["capacity_checks"] = capacity_checks(runs, report["cp_size"])
+    report["capacity_checks"] = capacity_checks(runs, report["cp_size"], requests=requests)
     ok &= all(report["capacity_checks"].values())
     report["cached_tokens"] = {name: run.get("cached_tokens", {}) for name, run in runs.items()}
     report["radix_checks"] = radix_checks(runs)
     ok &= all(report["radix_checks"].values())
+    if CP_STRATEGY == INTERLEAVE:  # NOTE: keys of the in-seq-split report unchanged
+        report["cp_strategy"] = CP_STRATEGY
+        report["prefill_batches"] = {name: run.get("prefill_batches", []) for name, run in runs.items()}
+        report["batch_checks"] = batch_checks(runs, requests)
+        ok &= bool(report["batch_checks"]) and all(report["batch_checks"].values())
     report["pass"] = ok
     return write_report(report, args.out)
 

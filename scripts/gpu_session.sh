@@ -36,6 +36,13 @@
 #   MATERIALIZE="--nprocs 2 ..." runs scripts/bench_materialize.py --collective over NCCL, one
 #   process per GPU (history gathers vs a plain all-gather; chunk gathers, SGLang's vs local
 #   writes; JSON to $out/bench_materialize_nccl.json).
+# SITE0523=1: sglang 0.5.23 instead (issue 37): its stack from .gpu-site-0523/
+#   (scripts/build_gpu_site_0523.sh), whose parts earlier calls of this warm machine carried
+#   (CALLS.txt); assembled once into ~/site0523 (the torch group, the stack, triton38 where
+#   its parts are there). NCCL0523=stub (default) runs torch 2.14.1 on the image's NCCL 2.28.9
+#   with the stub of the 11 functions it lacks preloaded; NCCL0523=2.30.7 preloads the carried
+#   NCCL instead (probe_torch214.sh tells which works). The image's CUDA libraries serve as
+#   they are (build_gpu_site_0523.sh says why); the Mooncake engine rides in the stack.
 # Optional: .gpu-site/jit-cache.tar.xz (a previous session's ~/.cache: SGLang's tvm-ffi,
 # DeepGEMM and flashinfer JIT builds) is unpacked into ~/.cache first: servers start faster;
 # without it, this machine's cache is packed to $out/jit-cache.tar.xz after every job, for the next.
@@ -47,7 +54,27 @@ cd "$root"
 out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
 site=$HOME/gpu-site
-if [ ! -d "$site/sglang" ]; then
+if [ "${SITE0523:-0}" = 1 ]; then
+  site=$HOME/site0523 parts=.gpu-site-0523
+  # the image's CUDA libraries, found through its own torch (before PYTHONPATH names ours)
+  imgnv=$(python3 -c 'import os, torch; print(os.path.realpath(os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")))')
+  for group in torch stack triton38; do
+    ls "$parts/$group.tar.xz.part"* >/dev/null 2>&1 || continue
+    [ -f "$site/.unpacked-$group" ] && continue
+    (cd "$parts" && sha256sum -c --quiet --ignore-missing SHA256SUMS) || { echo "gpu_session: $parts corrupt"; exit 1; }
+    mkdir -p "$site" && cat "$parts/$group.tar.xz.part"* | xz -dc -T0 | tar -x -C "$site" \
+      && touch "$site/.unpacked-$group" || { echo "gpu_session: unpacking $group failed"; exit 1; }
+  done
+  [ -d "$site/sglang" ] || echo "gpu_session: SITE0523=1: no stack in $parts yet (torch and Triton only)"
+  export PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK=1  # the image's cuDNN 9.19; nothing here runs a cuDNN kernel
+  export LD_LIBRARY_PATH=$imgnv/cu13/lib:$imgnv/cudnn/lib:$imgnv/cusparselt/lib:$imgnv/nccl/lib:$imgnv/nvshmem/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  case "${NCCL0523:-stub}" in
+    stub) export LD_PRELOAD=$site/nccl-stub/libnccl_2_30_stubs.so ;;
+    2.30.7) export LD_PRELOAD=$site/nccl-2.30.7/lib/libnccl.so.2 ;;
+    *) echo "gpu_session: NCCL0523 must be stub or 2.30.7"; exit 2 ;;
+  esac
+  [ -d .wheels ] && [ ! -d "$site/_pytest" ] && python3 -m pip install -q --no-deps --no-index --target "$site" .wheels/*.whl
+elif [ ! -d "$site/sglang" ]; then
   mkdir -p "$site" && tar -xJf .gpu-site/site312.tar.xz -C "$site"
   python3 -m pip install -q --no-deps --no-index --target "$site" .wheels/*.whl
 fi
@@ -82,6 +109,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 done
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+if [ "${SITE0523:-0}" = 1 ]; then  # Inductor on the Triton this site runs (the image's 3.6, or the carried 3.8)
+  python3 -c "import torch; f = torch.compile(lambda x: (x * x).relu().sum(-1), dynamic=True); x = torch.randn(37, 129, device='cuda'); print('inductor', 'PASS' if torch.allclose(f(x), (x * x).relu().sum(-1), atol=1e-4) else 'FAIL')" 2>&1 | tail -3 | tee -a "$out/gpu.txt"
+fi
 status=0
 jit_packed=""
 checkpoint() {  # PACK: $out as one archive, rewritten after every job

@@ -147,11 +147,28 @@ def start_server(name: str, cmd: List[str], env: Dict[str, str], port: int, log_
     raise RuntimeError(f"{name}: server not healthy within {boot_timeout}s; see {log_path}")
 
 
+#: SGLang's line for each KV pool it allocates, "KV Cache is allocated. #tokens: N, ..." in
+#: 0.5.12.post1 and "KV Cache is allocated. dtype: torch.bfloat16, #tokens: N, ..." in 0.5.23
+#: (``MLATokenToKVPool._finalize_allocation_log``); the group is N
+POOL_LINE = r"KV Cache is allocated\.(?: dtype: [^,]*,)? #tokens: (\d+)"
+#: SGLang's line for each prefill batch it runs (0.5.23, ``metrics_reporter.report_prefill_stats``:
+#: "Prefill batch, #new-seq: 4, #new-token: 1051, #cached-token: 2048, ..."): requests, tokens
+#: computed, tokens found in the radix cache
+PREFILL_BATCH_LINE = r"Prefill batch\b[^#\n]*#new-seq: (\d+), #new-token: (\d+), #cached-token: (\d+)"
+
+
+def prefill_batches(log_text: str) -> List[Tuple[int, int, int]]:
+    """Every prefill batch a server log reports, in order: (requests, new tokens, cached
+    tokens). NOTE: each process that logs scheduler stats writes its own line (with attention
+    CP every rank may), so a batch can appear more than once."""
+    return [(int(a), int(b), int(c)) for a, b, c in re.findall(PREFILL_BATCH_LINE, log_text)]
+
+
 def startup_figures(log_text: str) -> Dict:
     """What a server log says: the KV pool sizes SGLang allocated, the shared-KV split
     (physical per rank, logical), and how many processes took each e2e switch of
     ``scripts/e2e/sitecustomize.py``."""
-    physical = re.findall(r"KV Cache is allocated\. #tokens: (\d+)", log_text)
+    physical = re.findall(POOL_LINE, log_text)
     shared = re.findall(r"physical_tokens_per_rank=(\d+) logical_tokens=(\d+)", log_text)
     return {"pool_tokens": sorted({int(x) for x in physical}),
             "shared": sorted({(int(a), int(b)) for a, b in shared}),
@@ -159,7 +176,9 @@ def startup_figures(log_text: str) -> Dict:
             "corrupting_processes": log_text.count(CORRUPTING_SENDS_LINE),
             "corrupting_load_processes": log_text.count(CORRUPTING_LOADS_LINE),
             "shared_gpu_processes": log_text.count(SHARED_GPU_LINE),
-            "stalled_write_processes": log_text.count(STALLED_WRITE_LINE)}
+            "stalled_write_processes": log_text.count(STALLED_WRITE_LINE),
+            # a switch whose target the installed SGLang lacks (sitecustomize imports on without it)
+            "not_patched": sorted(set(re.findall(re.escape(NOT_PATCHED_LINE) + r" ([\w.]+)", log_text)))}
 
 
 #: what ``scripts/e2e/sitecustomize.py`` prints in each process whose sends it corrupts
@@ -168,6 +187,8 @@ CORRUPTING_SENDS_LINE = "sends a page twice"
 CORRUPTING_LOADS_LINE = "zeroes the first page of each HiCache load-back"
 #: ... and in each process whose first Mooncake write it holds
 STALLED_WRITE_LINE = "holds its first write"
+#: ... and for each module it was to patch and could not, naming it
+NOT_PATCHED_LINE = "[cpskv-e2e] NOT patched:"
 
 
 def stable_topk_problem(figures: Dict, name: str, log_path: Path, min_processes: int) -> Optional[str]:
@@ -175,6 +196,9 @@ def stable_topk_problem(figures: Dict, name: str, log_path: Path, min_processes:
     ``min_processes`` of its server processes (one per TP rank at least) reported taking it
     (its :func:`startup_figures`); None when enough did."""
     seen = figures["stable_topk_processes"]
+    if figures.get("not_patched"):  # e.g. one top-k entry point replaced, another left stock
+        return (f"{name}: started with the e2e switches, but some found nothing to patch: "
+                f"{', '.join(figures['not_patched'])}; see {log_path}")
     if seen >= min_processes:
         return None
     return (f"{name}: started with the deterministic top-k, but {seen} server process(es) reported it, "
@@ -268,4 +292,5 @@ def stop(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
 
 __all__ = ["ROOT", "E2E_SITE", "TINY_DSV32", "write_model", "e2e_env", "post", "flush_cache", "prometheus_samples",
            "prometheus_labels", "samples_by_rank", "start_server", "stop", "startup_figures", "stable_topk_problem",
+           "POOL_LINE", "PREFILL_BATCH_LINE", "prefill_batches",
            "CORRUPTING_SENDS_LINE", "STALLED_WRITE_LINE", "accumulate_runs", "write_report"]

@@ -25,6 +25,11 @@ GPU test compares the sets). The functions have ``sgl_kernel``'s signatures;
 ``scripts/e2e/sitecustomize.py`` installs them for a server started with
 ``CPSKV_E2E_STABLE_TOPK=1``. Slow (a full sort per row): for comparison runs only.
 
+SGLang 0.5.23 sends some of these calls to two JIT kernels of its own instead
+(``sglang.kernels.ops.attention.dsv4.topk.topk_transform_ragged_v2`` and
+``topk_transform_paged_v2``): their stand-ins, their contract and which call goes where are
+in the section "SGLang 0.5.23" below (:data:`V2_STAND_INS`).
+
 The kernel's contract on every row it accepts (``sgl-kernel/csrc/elementwise/topk.cu`` of
 sglang-kernel 0.4.2.post2; its host checks are in the installed ``common_ops`` library):
 
@@ -202,6 +207,157 @@ STAND_INS = {
     "fast_topk_v2": fast_topk_v2,
     "fast_topk_transform_fused": fast_topk_transform_fused,
     "fast_topk_transform_ragged_fused": fast_topk_transform_ragged_fused,
+}
+
+
+# --- SGLang 0.5.23: the top-k v2 JIT kernels its DSA backend routes to ---------------------------
+#
+# On 0.5.23 the DSA indexer's top-k goes through ``DSATopKBackend`` (``--dsa-topk-backend``,
+# default ``sgl-kernel``; ``layers/attention/dsa/dsa_topk_backend.py``), which imports its
+# kernels at each call. With the default ``SGLANG_OPT_USE_TOPK_V2=1`` and fused top-k
+# (``SGLANG_DSA_FUSE_TOPK=1``) it sends
+#
+# * extend, RAGGED transform (fp8 KV with ``flashmla_sparse``; any row split, interleave CP
+#   included), to :func:`topk_transform_ragged_v2`;
+# * decode, PAGED transform (one row per request, no row starts: the decode server), to
+#   :func:`topk_transform_paged_v2`, with the per-forward plan ``plan_topk_v2`` (stock);
+# * extend, PAGED transform (bf16 KV: row starts), the prefill-CP ``batch_idx_list`` calls
+#   and the chunked-logits calls, to ``sgl_kernel.fast_topk_transform_fused`` /
+#   ``fast_topk_transform_ragged_fused`` (sgl-kernel 0.4.10: the same host checks and
+#   arguments as 0.4.2.post2's, the stand-ins above);
+# * unfused top-k (``SGLANG_DSA_FUSE_TOPK=0``, hisparse decode) to ``sgl_kernel.fast_topk_v2``.
+#
+# The two v2 kernels live in ``sglang.kernels.ops.attention.dsv4.topk`` (JIT, source
+# ``sglang/kernels/jit/csrc/deepseek_v4/topk_v2.cuh``, one CUDA block per row, radix select:
+# the order of the selected keys is the kernel's, not the keys'). Their contract on a row
+# they accept, as the host function and the kernel read it:
+#
+# * shapes and dtypes (``TensorMatcher`` / ``RuntimeCheck``, refused otherwise): scores
+#   (B, L) float32 with strides (S, 1), S a multiple of 4; ``seq_lens`` (B,) int32; the
+#   output (B, K) int32, 0 < K <= 2048; ragged: ``out_offsets`` (B,) int32, ``row_starts``
+#   (B,) int32 or None; paged: ``page_tables`` (B, *) int32 with unit column stride or None,
+#   ``page_size`` a power of 2, ``metadata`` (B + 1, 2) int32, ``out_raw_indices`` (B, K)
+#   int32 only with a page table. The stand-ins check the strides only on dimensions of
+#   more than one element (a DLPack view may canonicalise the others).
+# * row b, L = ``seq_lens[b]``: L <= K: positions [0, L), then -1 (no score read); L > K:
+#   the K positions j in [0, L) of the largest scores, read at the scores' data pointer
+#   + b x S + ``row_starts[b]`` (0 without) + j, with no bound on L or the row start (the
+#   stand-in reads the scores' storage there, -inf past it, as for the kernels above);
+#   equal scores: whichever the radix select keeps (the stand-in: the smaller j).
+# * ragged output: j + ``out_offsets[b]``; paged: ``page_tables[b, j >> log2(page_size)] <<
+#   log2(page_size) | (j & (page_size - 1))`` (int32), the table read like the scores (the
+#   stand-in writes -1 for an entry past the table's storage); no page table: j itself;
+#   ``out_raw_indices``: j. -1 stays -1.
+# * L < 0 is not a length these kernels take (SGLang clamps padded rows to 0; read as
+#   unsigned it is ~4e9 keys: an illegal address): the stand-ins answer -1.
+# * the ragged kernel also overwrites, in place, the <= 3 score columns ahead of each row's
+#   window (its 16-byte aligned load; the buffer is dead afterwards): the stand-in leaves
+#   the scores as they are. The plan (``metadata``) only routes rows to the kernel's
+#   cluster path: the stand-in checks its shape and otherwise ignores it.
+#
+# The stand-ins select like :func:`stable_topk_indices` (ties to the smaller index, key
+# order) and write the kernel's output tensors in place, returning None as the kernels do.
+
+#: where SGLang 0.5.23 keeps the v2 kernels (``sitecustomize`` patches it on import)
+V2_MODULE = "sglang.kernels.ops.attention.dsv4.topk"
+
+
+def _require_v2(condition: bool, message: str) -> None:
+    """topk_v2.cuh's host checks (``RuntimeCheck`` / ``TensorMatcher``)."""
+    if not condition:
+        raise RuntimeError(message)
+
+
+def _check_v2_int32(t: torch.Tensor, shape, name: str) -> None:
+    _require_v2(tuple(t.shape) == tuple(shape) and t.dtype == torch.int32,
+                f"{name}: expected int32 {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
+
+
+def _check_v2_scores(scores: torch.Tensor) -> None:
+    _require_v2(scores.dim() == 2 and scores.dtype == torch.float32,
+                f"scores: expected float32 (B, L), got {scores.dtype} {tuple(scores.shape)}")
+    _require_v2(scores.shape[1] <= 1 or scores.stride(1) == 1, "scores: expected unit column stride")
+    _require_v2(scores.shape[0] <= 1 or scores.stride(0) % 4 == 0,
+                "score_stride must be a multiple of 4 (16-byte vectorized load)")
+
+
+def _check_v2_topk(out: torch.Tensor, rows: int, name: str) -> int:
+    _require_v2(out.dim() == 2, f"{name}: expected (B, K)")
+    topk = out.shape[1]
+    _check_v2_int32(out, (rows, topk), name)
+    _require_v2(0 < topk <= 2048, "topk must be in (0, 2048]")
+    return topk
+
+
+def _to_int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 -> int32 with two's-complement wrap (the kernel's int32 shift and or)."""
+    return ((values + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
+
+
+def topk_transform_ragged_v2(scores: torch.Tensor, seq_lens: torch.Tensor, *, out_offsets: torch.Tensor,
+                             out_indices: torch.Tensor, row_starts: Optional[torch.Tensor] = None) -> None:
+    """``sglang.kernels.ops.attention.dsv4.topk.topk_transform_ragged_v2`` (SGLang 0.5.23):
+    into ``out_indices``, row b's selected positions j (relative to ``row_starts[b]``) as
+    ``j + out_offsets[b]``, -1 padded (contract above)."""
+    _check_v2_scores(scores)
+    rows = scores.shape[0]
+    _check_v2_int32(seq_lens, (rows,), "seq_lens")
+    _check_v2_int32(out_offsets, (rows,), "out_offsets")
+    if row_starts is not None:
+        _check_v2_int32(row_starts, (rows,), "row_starts")
+    topk = _check_v2_topk(out_indices, rows, "topk_indices")
+    idx = stable_topk_indices(scores, seq_lens, topk, row_starts)
+    offset = out_offsets.to(device=scores.device, dtype=torch.int64)[:, None]
+    out_indices.copy_(torch.where(idx >= 0, _to_int32(idx.long() + offset), -1))
+
+
+def topk_transform_paged_v2(scores: torch.Tensor, seq_lens: torch.Tensor, page_tables: Optional[torch.Tensor],
+                            out_page_indices: torch.Tensor, page_size: int, metadata: torch.Tensor,
+                            out_raw_indices: Optional[torch.Tensor] = None) -> None:
+    """``sglang.kernels.ops.attention.dsv4.topk.topk_transform_paged_v2`` (SGLang 0.5.23):
+    into ``out_page_indices``, row b's selected positions j (from column 0 of its score
+    row) mapped through row b of ``page_tables`` (page size ``page_size``), or j itself
+    without a table; ``out_raw_indices`` (with a table only) gets j. -1 padded (contract
+    above)."""
+    _check_v2_scores(scores)
+    rows = scores.shape[0]
+    _check_v2_int32(seq_lens, (rows,), "seq_lens")
+    if page_tables is not None:
+        _require_v2(page_tables.dim() == 2 and page_tables.shape[0] == rows and page_tables.dtype == torch.int32
+                    and (page_tables.shape[1] <= 1 or page_tables.stride(1) == 1),
+                    f"page_table: expected int32 ({rows}, *) with unit column stride, got "
+                    f"{page_tables.dtype} {tuple(page_tables.shape)}")
+    topk = _check_v2_topk(out_page_indices, rows, "page_indices")
+    _require_v2(metadata.dim() == 2 and metadata.shape[1] == 2 and metadata.dtype == torch.int32,
+                "metadata: expected int32 (N, 2)")
+    if out_raw_indices is not None:
+        _require_v2(page_tables is not None, "raw_indices requires a page table")
+        _check_v2_topk(out_raw_indices, rows, "raw_indices")
+    page_size = int(page_size)
+    _require_v2(page_size > 0 and page_size & (page_size - 1) == 0, "page_size must be power of 2")
+    _require_v2(metadata.shape[0] == rows + 1, "invalid metadata shape")
+    idx = stable_topk_indices(scores, seq_lens, topk)
+    if page_tables is None:
+        out_page_indices.copy_(idx)
+        return
+    table = page_tables.to(scores.device)
+    keys = idx.long()
+    at = (table.storage_offset() + torch.arange(rows, device=scores.device)[:, None] * table.stride(0)
+          + torch.div(keys, page_size, rounding_mode="floor"))
+    _, count = _storage(table)
+    inside = (keys >= 0) & (at >= 0) & (at < count)
+    entries = _read(table, at, inside, -1).long()
+    # NOTE: (entry << bits) | low bits, as the kernel computes it, is entry x page_size + low bits
+    out_page_indices.copy_(torch.where(inside, _to_int32(entries * page_size + (keys & (page_size - 1))), -1))
+    if out_raw_indices is not None:
+        out_raw_indices.copy_(idx)
+
+
+#: sglang.kernels.ops.attention.dsv4.topk name -> stand-in (SGLang 0.5.23), for the installer in
+#: scripts/e2e/sitecustomize.py
+V2_STAND_INS = {
+    "topk_transform_ragged_v2": topk_transform_ragged_v2,
+    "topk_transform_paged_v2": topk_transform_paged_v2,
 }
 
 
@@ -388,4 +544,5 @@ def in_seq_split_topk_calls(chunk_len: int, prefix_len: int, cp_size: int, kerne
 
 
 __all__ = ["stable_topk_indices", "fast_topk_v2", "fast_topk_transform_fused", "fast_topk_transform_ragged_fused",
-           "STAND_INS", "TopkCall", "in_seq_split_topk_calls"]
+           "STAND_INS", "topk_transform_ragged_v2", "topk_transform_paged_v2", "V2_STAND_INS", "V2_MODULE",
+           "TopkCall", "in_seq_split_topk_calls"]

@@ -31,6 +31,19 @@ scheduler processes SGLang spawns. It
   when it sends the request's last chunk (the pages that rank holds), on decode when the
   transfer is committed -- which page decode got wrong, and whether the prefill held it
   (docs/results/pd_radix_hit_page_checksums_cp2_h200.json).
+
+On sglang 0.5.23 (read from its wheel; test/integration/test_e2e_sitecustomize_v0523.py imports
+the real modules in a fresh process and checks each patch on the object the call path uses):
+the dummy weights, SHARE_GPU (``run_scheduler_process`` kept its first four arguments),
+CORRUPT_RANK (the 0.5.23 forward hook finishes every MLA view in ``finish_mla_view`` too:
+``forward.steps.attend_on_dense_view``), CORRUPT_SEND_RANK and STALL_WRITE_RANK (the transfer
+hooks are shared) and DUMP_PAGES (same targets and signatures) patch the same names;
+STABLE_TOPK also replaces the two top-k v2 JIT kernels 0.5.23's DSA backend routes to
+(``sglang.kernels.ops.attention.dsv4.topk``: ``stable_topk.V2_STAND_INS``);
+CORRUPT_LOAD_RANK wraps 0.5.23's host pool (``hicache.host_pool_v0523.CpSharedKVHostPool.
+load_to_device_per_layer_physical``, the call 0.5.23's L2 transfer makes; checked on the CPU
+HiCache rig, not yet on a GPU). A patch whose target name is missing prints
+``[cpskv-e2e] NOT patched: ...`` and lets the import go on.
 """
 
 import functools
@@ -124,20 +137,60 @@ if os.environ.get("CPSKV_E2E") == "1":
 
         print(f"[cpskv-e2e] CP rank {rank} {CORRUPTING_LOADS_LINE} (pid {os.getpid()})", flush=True)
 
+    def _corrupting_loads_v0523(module, rank):
+        # sglang 0.5.23: its L2 transfer engine calls the KV host pool (the flag's facade
+        # around the anchor) per layer as load_to_device_per_layer_physical, with this rank's
+        # physical rows (the controller narrowed the copy through the facade's owned_rows)
+        host_pool = module.CpSharedKVHostPool
+        load = host_pool.load_to_device_per_layer_physical
+
+        def load_then_zero_first_page(self, device_pool, host_indices, device_indices, layer_id, io_backend, *,
+                                      is_draft=False):
+            load(self, device_pool, host_indices, device_indices, layer_id, io_backend, is_draft=is_draft)
+            if self.shard_rank == rank and not is_draft and device_indices.numel() > 0:
+                device_pool.kv_buffer[layer_id][device_indices[:self.host_pool.page_size]] = 0
+
+        host_pool.load_to_device_per_layer_physical = load_then_zero_first_page
+        from sglang_cp_shared_kv_testing.server import CORRUPTING_LOADS_LINE
+
+        print(f"[cpskv-e2e] CP rank {rank} {CORRUPTING_LOADS_LINE} (pid {os.getpid()})", flush=True)
+
     if os.environ.get("CPSKV_E2E_CORRUPT_LOAD_RANK"):
         _PATCHES["sglang_cp_shared_kv.hicache.host_pool_v0512"] = lambda m: _corrupting_loads(
             m, int(os.environ["CPSKV_E2E_CORRUPT_LOAD_RANK"]))
+        _PATCHES["sglang_cp_shared_kv.hicache.host_pool_v0523"] = lambda m: _corrupting_loads_v0523(
+            m, int(os.environ["CPSKV_E2E_CORRUPT_LOAD_RANK"]))
+
+    _announced = []
+
+    def _announce_stable_topk():
+        """The line server.startup_figures counts: once per process, at its first patch."""
+        if not _announced:
+            _announced.append(True)
+            print(f"[cpskv-e2e] deterministic NSA top-k (pid {os.getpid()})", flush=True)
 
     def _stable_topk(module):
         from sglang_cp_shared_kv_testing.stable_topk import STAND_INS
 
         for name, stand_in in STAND_INS.items():
             setattr(module, name, stand_in)
-        print(f"[cpskv-e2e] deterministic NSA top-k (pid {os.getpid()})", flush=True)
+        _announce_stable_topk()
+
+    def _stable_topk_v2(module):
+        # SGLang 0.5.23's DSA top-k backend imports these at each call (``from
+        # sglang.kernels.ops.attention.dsv4.topk import ...`` inside dsa_topk_backend's
+        # helpers), dsv4/__init__ binds them right after this module runs
+        from sglang_cp_shared_kv_testing.stable_topk import V2_STAND_INS
+
+        for name, stand_in in V2_STAND_INS.items():
+            if hasattr(module, name):
+                setattr(module, name, stand_in)
+        _announce_stable_topk()
 
     if os.environ.get("CPSKV_E2E_STABLE_TOPK") == "1":
         # sgl_kernel/__init__ binds the names from sgl_kernel.top_k right after it runs
         _PATCHES["sgl_kernel.top_k"] = _stable_topk
+        _PATCHES["sglang.kernels.ops.attention.dsv4.topk"] = _stable_topk_v2  # sglang 0.5.23 only
 
     def _sharing_one_gpu(module):
         # NOTE: functools.wraps keeps the original's __module__ and __qualname__: SGLang hands
@@ -159,6 +212,11 @@ if os.environ.get("CPSKV_E2E") == "1":
         module.run_scheduler_process = run_scheduler_process
 
     if os.environ.get("CPSKV_E2E_SHARE_GPU") == "1":
+        # NOTE: on 0.5.23 too (run_scheduler_process(server_args, port_args, gpu_id, tp_rank,
+        # pp_rank, dp_rank, pipe_writer, ...)): the launcher binds the name at import time
+        # (engine, http_server, data_parallel_controller: ``from ...scheduler import
+        # run_scheduler_process``), after this patch; the process publishes the gpu_id it is
+        # handed (runtime_context.SpawnRanks), which get_device().gpu_id answers from then on
         _PATCHES["sglang.srt.managers.scheduler"] = _sharing_one_gpu
 
     def _stalling_first_write(module, rank, seconds):
@@ -276,7 +334,10 @@ if os.environ.get("CPSKV_E2E") == "1":
 
             def exec_and_patch(module):
                 exec_module(module)
-                _PATCHES[fullname](module)
+                try:
+                    _PATCHES[fullname](module)
+                except AttributeError as e:  # a release without the patched name: say so, import on
+                    print(f"[cpskv-e2e] NOT patched: {fullname}: {e!r} (pid {os.getpid()})", flush=True)
 
             spec.loader.exec_module = exec_and_patch
             return spec
