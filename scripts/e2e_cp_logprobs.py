@@ -250,15 +250,23 @@ def server_command(flag_on, corrupt_rank, pool, model, port, args, extra_args=()
     if args.tp > 1:
         cmd += ["--enable-nsa-prefill-context-parallel", "--nsa-prefill-cp-mode", "in-seq-split",
                 "--disable-custom-all-reduce"]
-    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"})
+    # --enable-metrics: the run reports how its chunks reached the shards (WRITE_PATHS_METRIC)
+    return _with_test_switches(cmd, e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0"}), args,
+                               ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"] if flag_on else None,
+                               corrupt_rank, extra_args, extra_env)
+
+
+def _with_test_switches(cmd, env, args, flag_args, corrupt_rank, extra_args, extra_env):
+    """``cmd`` and ``env`` with what both releases' runs add the same way: the shared GPU, the
+    deterministic top-k, the flag (``flag_args``; None: off) and its prefill-only testing
+    switch, the negative control, then the caller's extras."""
     if args.share_gpu:
         cmd += shared_gpu.server_args()
         env.update(shared_gpu.env())
     if args.stable_topk:
         env["CPSKV_E2E_STABLE_TOPK"] = "1"
-    if flag_on:
-        # --enable-metrics: the run reports how its chunks reached the shards (WRITE_PATHS_METRIC)
-        cmd += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
+    if flag_args:
+        cmd += flag_args
         env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
     if corrupt_rank is not None:
         env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
@@ -317,20 +325,8 @@ def _interleave_command(flag_on, corrupt_rank, pool, model, port, args, extra_ar
            "--enable-metrics"]
     if args.tp > 1:
         cmd += ["--enable-prefill-cp", "--cp-strategy", INTERLEAVE, "--disable-custom-all-reduce"]
-    env = e2e_env({DSA_DENSE_THRESHOLD_ENV: "0"})
-    if args.share_gpu:
-        cmd += shared_gpu.server_args()
-        env.update(shared_gpu.env())
-    if args.stable_topk:
-        env["CPSKV_E2E_STABLE_TOPK"] = "1"
-    if flag_on:
-        cmd += [INTERLEAVE_FLAG]
-        env["SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"] = "1"
-    if corrupt_rank is not None:
-        env["CPSKV_E2E_CORRUPT_RANK"] = str(corrupt_rank)
-    cmd += list(extra_args)
-    env.update(extra_env or {})
-    return cmd, env
+    return _with_test_switches(cmd, e2e_env({DSA_DENSE_THRESHOLD_ENV: "0"}), args,
+                               [INTERLEAVE_FLAG] if flag_on else None, corrupt_rank, extra_args, extra_env)
 
 
 def generate(port, ids, start):
