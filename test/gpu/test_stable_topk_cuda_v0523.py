@@ -2,9 +2,9 @@
 (``sglang_cp_shared_kv_testing.stable_topk``): the same key SET per row (the kernels' order is
 their radix select's), continuous scores (no ties). The two v2 JIT kernels the DSA backend
 routes to (``sglang.kernels.ops.attention.dsv4.topk``: ragged for extend, paged for decode,
-every size path: register, streaming, cluster and split), and sgl-kernel 0.4.10's three
-(``sgl_kernel.fast_topk_v2`` / ``fast_topk_transform_fused`` / ``fast_topk_transform_ragged_fused``;
-test_stable_topk_cuda.py covers them for 0.5.12.post1 and does not run on 0.5.23).
+every size path: register, streaming, cluster and split). sgl-kernel's three
+(``fast_topk_v2`` / ``fast_topk_transform_fused`` / ``fast_topk_transform_ragged_fused``, the
+same in 0.4.10) are test_stable_topk_cuda.py's, which runs on both releases.
 
 Written from the kernels' sources without a GPU run (2026-12-07): the first run on the device
 is its first."""
@@ -28,10 +28,6 @@ def v2():
 
     return topk
 
-
-@pytest.fixture(scope="module")
-def sgl_kernel(v2):
-    return pytest.importorskip("sgl_kernel")
 
 
 def _sorted_rows(x):
@@ -134,40 +130,3 @@ def test_the_v2_kernels_key_order_is_what_varies(v2):
     for out in ours:
         st.topk_transform_ragged_v2(scores.clone(), lengths, out_offsets=offsets, out_indices=out)
     assert torch.equal(ours[0], ours[1])
-
-
-# --- sgl-kernel 0.4.10 (PAGED extend with row starts, prefill-CP batch_idx_list, unfused) --------
-
-
-def _legacy_case(seed, rows=48, width=24000):
-    scores, g = _scores(seed, rows, width)
-    lengths = torch.randint(1, 20000, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    lengths[:4] = torch.tensor([1, TOPK, TOPK + 1, 20000], dtype=torch.int32)
-    starts = torch.randint(0, width - 20000, (rows,), device="cuda", generator=g, dtype=torch.int32)
-    return scores, lengths, starts
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_sgl_kernel_0410_v2_and_ragged_select_the_kernels_keys(sgl_kernel, seed):
-    scores, lengths, starts = _legacy_case(seed)
-    stock = sgl_kernel.fast_topk_v2(scores, lengths, TOPK, row_starts=starts)
-    ours = st.fast_topk_v2(scores, lengths, TOPK, row_starts=starts)
-    assert torch.equal(_sorted_rows(stock), _sorted_rows(ours)) and _in_key_order(ours)
-    offsets = torch.arange(scores.shape[0], device="cuda", dtype=torch.int32) * 100000
-    stock = sgl_kernel.fast_topk_transform_ragged_fused(scores, lengths, offsets, TOPK, row_starts=starts)
-    ours = st.fast_topk_transform_ragged_fused(scores, lengths, offsets, TOPK, row_starts=starts)
-    assert torch.equal(_sorted_rows(stock), _sorted_rows(ours))
-
-
-@pytest.mark.parametrize("decode", [False, True])
-def test_sgl_kernel_0410_paged_transform_selects_the_kernels_pages(sgl_kernel, decode):
-    scores, lengths, starts = _legacy_case(5, rows=12)
-    rows, width = scores.shape
-    if decode:
-        cu, row_starts, requests = torch.arange(rows + 1, device="cuda", dtype=torch.int32), None, rows
-    else:
-        cu, row_starts, requests = torch.tensor([0, 5, 12], device="cuda", dtype=torch.int32), starts, 2
-    table = torch.randperm(requests * width, device="cuda").to(torch.int32).view(requests, width)
-    stock = sgl_kernel.fast_topk_transform_fused(scores, lengths, table, cu, TOPK, row_starts=row_starts)
-    ours = st.fast_topk_transform_fused(scores, lengths, table, cu, TOPK, row_starts=row_starts)
-    assert torch.equal(_sorted_rows(stock), _sorted_rows(ours))
