@@ -2,10 +2,13 @@
 
 import importlib.util
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 # A tiny DeepSeek-V3.2 (NSA, MLA) config: the shapes of the real model, two dense layers.
 TINY_DSV32 = {
@@ -209,3 +212,15 @@ def sglang_cp_utils_on_cpu(monkeypatch):
     monkeypatch.setattr(nsa_utils, "is_nsa_enable_prefill_cp", lambda: True)
     monkeypatch.setattr(cp_utils, "torch", TorchOnCpu())
     return cp_utils
+
+
+def selfcheck_with_e2e_switches(root: Path, switches: Dict[str, str],
+                                timeout: float) -> Tuple[subprocess.CompletedProcess, List[str]]:
+    """``python -m sglang_cp_shared_kv selfcheck`` in a fresh process with ``scripts/e2e``'s
+    sitecustomize on (CPSKV_E2E=1) and ``switches``, from checkout ``root``: (the finished
+    process, its verdict lines, those starting FAIL or PASS)."""
+    env = {**os.environ, "CPSKV_E2E": "1", **switches,
+           "PYTHONPATH": os.pathsep.join([str(root / "scripts" / "e2e"), str(root / "python")])}
+    out = subprocess.run([sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    return out, [line for line in out.stdout.splitlines() if line.startswith(("FAIL", "PASS"))]

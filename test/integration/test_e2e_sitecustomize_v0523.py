@@ -300,11 +300,9 @@ def test_a_patch_whose_target_is_missing_does_not_break_the_import(tmp_path):
 def test_the_negative_control_corrupts_the_views_the_0523_forward_hooks_read():
     """CPSKV_E2E_CORRUPT_RANK=1 under the selfcheck on 0.5.23 (its interleave CP, the plugin's
     real forward path on 2 CPU ranks): rank 1's attention differs, rank 0's does not."""
-    env = {**os.environ, "CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_RANK": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"), str(ROOT / "python")])}
-    out = subprocess.run([sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"], capture_output=True, text=True,
-                         env=env, timeout=900)
-    verdict = [line for line in out.stdout.splitlines() if line.startswith(("FAIL", "PASS"))]
+    from sglang_cp_shared_kv_testing.support import selfcheck_with_e2e_switches
+
+    out, verdict = selfcheck_with_e2e_switches(ROOT, {"CPSKV_E2E_CORRUPT_RANK": "1"}, timeout=900)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
     failure = next(line for line in verdict if line.startswith("FAIL") and "bit-exact" in line)
     assert "rank 1:" in failure and "rank 0:" not in failure and "attention output: differs" in failure

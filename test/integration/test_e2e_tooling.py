@@ -40,11 +40,9 @@ def test_the_negative_control_corrupts_the_views_the_forward_hooks_read():
     NOTE: written after the first CP2 server run on one H200 (2026-12-03) left the control
     undetected on every prompt: the switch wrapped ``materialize_mla``, which the forward
     hooks no longer call (they finish every view, prefetched or not, in ``finish_mla_view``)."""
-    env = {**os.environ, "CPSKV_E2E": "1", "CPSKV_E2E_CORRUPT_RANK": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"), str(ROOT / "python")])}
-    out = subprocess.run([sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck"], capture_output=True, text=True,
-                         env=env, timeout=600)
-    verdict = [line for line in out.stdout.splitlines() if line.startswith(("FAIL", "PASS"))]
+    from sglang_cp_shared_kv_testing.support import selfcheck_with_e2e_switches
+
+    out, verdict = selfcheck_with_e2e_switches(ROOT, {"CPSKV_E2E_CORRUPT_RANK": "1"}, timeout=600)
     assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-2000:]
     assert [line.split()[1:3] for line in verdict if line.startswith("FAIL")] == [["prefill", "bit-exact"]]
     failure = next(line for line in verdict if "bit-exact" in line)
