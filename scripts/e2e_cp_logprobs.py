@@ -180,13 +180,15 @@ def over_rank_pool_tokens(cp_size: int) -> int:
     return max(2 * cp_size - 1, 3) * POOL // 2
 
 
-def prompts(cp_size: int):
-    """{name: (token ids, logprob start)}."""
+def tokens(seed: int, n: int) -> list:
+    """``n`` token ids of the tiny model's vocabulary (ids 0 and 1 left out), seeded."""
     import numpy as np
 
-    def tokens(seed, n):
-        return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
+    return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
 
+
+def prompts(cp_size: int):
+    """{name: (token ids, logprob start)}."""
     p3k = tokens(2, 3008)
     p4k = tokens(8, 2 * CHUNK + 13)
     return {  # NOTE: in the order they are posted: a radix hit right after the prompt it shares
@@ -209,11 +211,6 @@ def prompts(cp_size: int):
 def batch_prompts():
     """Interleave only: {name: (token ids, logprob start)}, BATCH_SOURCE first, then
     BATCH_PROMPTS in the batch's order (module constants above)."""
-    import numpy as np
-
-    def tokens(seed, n):
-        return np.random.default_rng(seed).integers(2, TINY_DSV32["vocab_size"], size=n).tolist()
-
     source = tokens(20, BATCH_PREFIX + 256)
     out = {BATCH_SOURCE: (source, 0)}
     for seed, (name, (prefix, fresh)) in enumerate(BATCH_LAYOUT.items(), start=21):

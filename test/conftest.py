@@ -22,7 +22,7 @@ SHARED_WITH_V0523 = frozenset({
     "unit/test_compare_upstream_kv_sharding.py", "unit/test_releases.py", "unit/test_share_identical_dists.py",
     "integration/test_transfer_mooncake_e2e.py", "integration/test_fused_index_store_source.py",
     "integration/test_selfcheck.py", "integration/test_rank_agreement.py", "unit/test_rank_agreement_audit.py",
-    "gpu/test_stable_topk_cuda.py",
+    "gpu/test_stable_topk_cuda.py", "integration/test_mooncake_master.py",
 })
 _HERE = Path(__file__).resolve().parent
 _ON_V0523 = installed.INSTALLED is v0523.RELEASE

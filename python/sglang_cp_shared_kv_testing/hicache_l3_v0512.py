@@ -54,6 +54,7 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     stock_nsa_pool,
     storage_round_trip,
 )
+from sglang_cp_shared_kv_testing.mooncake_master import close_store_clients
 from sglang_cp_shared_kv_testing.support import free_port, gloo_attention_cp_group, run_rank_processes
 
 MLA_KEY_SUFFIX = "__k"  # SGLang's Mooncake key of a page's MLA latent: <key>_<mla suffix "">_k
@@ -319,6 +320,7 @@ def _case(rank: int, n: int, group, case: StorageCase, extra: dict) -> dict:
             stored[f"{what}_ours"] = store.batch_is_exist(_keys([h + f"@cp{n}" for h in hashes], suffix_))
             stored[f"{what}_stock"] = store.batch_is_exist(_keys(hashes, suffix_))
     cache.detach_storage_backend()
+    close_store_clients([store], cpu_group)
     host_after_detach = [free_host_tokens(kv_host) + host_tokens_in_tree(cache), kv_host.size]
     return {
         "name": case.name,

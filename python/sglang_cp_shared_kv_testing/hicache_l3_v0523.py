@@ -56,6 +56,7 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     seeded_bytes,
     settle,
 )
+from sglang_cp_shared_kv_testing.mooncake_master import close_store_clients
 from sglang_cp_shared_kv_testing.support import free_port, run_rank_processes
 
 TIMEOUT_S = 120  # a rank stuck in a collective fails the run instead of hanging it
@@ -247,6 +248,7 @@ def _case(rank: int, n: int, cpu_group, case: StorageCase, model_dir: str, extra
                 stored[f"{what}_stock"] = [int(x) for x in store.batch_is_exist(stock[what])]
         l3_layout = external_l3_layout(cache)
         ok, message = cache.detach_storage_backend()
+        close_store_clients([store], cpu_group)
         return {
             "name": case.name,
             "errors": trip.device_bytes_after_load.mismatches(trip.written),

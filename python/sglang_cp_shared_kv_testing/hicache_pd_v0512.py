@@ -63,6 +63,7 @@ from sglang_cp_shared_kv_testing.hicache_rig_v0512 import (
     stock_nsa_pool,
     storage_round_trip,
 )
+from sglang_cp_shared_kv_testing.mooncake_master import close_store_clients
 from sglang_cp_shared_kv_testing.support import free_port, gloo_attention_cp_group, run_rank_processes
 
 #: the rooms sent to decode, in order: (name, tier, request seed)
@@ -202,9 +203,11 @@ def _prefill_rank(rank: int, n: int, port: int, bootstrap_port: int, workdir: Pa
         for name, tier, seed in ROOMS[:2]:
             new_locs, _hit = rig.trip(stock, tier, _seed(seed, n, dtype_name), STOCK_ACCESS, f"stock-{name}")
             expected[name] = _pages_of(stock_pool, page_starts(new_locs))
+        stores = [store_client(stock)]
         stock.detach_storage_backend()
         # flag on
         pool, cache = rig.shared_cache(rank, n, dtype_name, cpu_group, extra)
+        stores.append(store_client(cache))
         prefill, _bootstrap_server = _prefill_instance(rank, n, bootstrap_port, dtype_name, pool)
         access, pages = ShardedAccess(cpu_group), None
         for number, (name, tier, seed) in enumerate(ROOMS):
@@ -226,7 +229,15 @@ def _prefill_rank(rank: int, n: int, port: int, bootstrap_port: int, workdir: Pa
             torch.distributed.barrier(group=cpu_group)  # (every rank's transfer concluded before the pool moves on)
         cache.detach_storage_backend()
         _wait_for(workdir / DONE_FILE, "end of decode")
+        close_store_clients(stores, cpu_group)
     return result
+
+
+def store_client(cache):
+    """The ``MooncakeDistributedStore`` client behind ``cache``'s storage backend (the plugin's
+    sharded storage wraps SGLang's backend)."""
+    storage = cache.cache_controller.storage_backend
+    return getattr(storage, "backend", storage).store
 
 
 def _prefill_instance(rank: int, n: int, bootstrap_port: int, dtype_name: str, pool):

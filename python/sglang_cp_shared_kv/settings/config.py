@@ -91,3 +91,17 @@ def nvtx_enabled() -> bool:
 
 def testing_non_pd_allowed() -> bool:
     return _env_true(TESTING_ALLOW_NON_PD_ENV)
+
+
+def is_testing_without_pd(disaggregation_mode: str) -> bool:
+    """A prefill-only test server: no PD (``--disaggregation-mode null``), allowed by the
+    testing switch. Every other mode but ``prefill`` is refused with the flag on."""
+    return disaggregation_mode == "null" and testing_non_pd_allowed()
+
+
+def warn_if_testing_without_pd(disaggregation_mode: str, logger) -> None:
+    """The WARNING an accepted server without PD logs at startup (both releases)."""
+    if disaggregation_mode == "null":
+        logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
+                       "(max_new_tokens=1); any decode step will fail. Never use it in production.",
+                       FLAG, TESTING_ALLOW_NON_PD_ENV)

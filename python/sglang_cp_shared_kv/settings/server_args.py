@@ -37,11 +37,11 @@ from sglang_cp_shared_kv.settings.config import (
     FLAG,
     FLAG_DEST,
     FLAG_HELP,
-    TESTING_ALLOW_NON_PD_ENV,
     guards_decode,
     is_enabled,
+    is_testing_without_pd,
     shares_kv,
-    testing_non_pd_allowed,
+    warn_if_testing_without_pd,
 )
 from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
 
@@ -176,10 +176,7 @@ def validate_after_stock_checks(result, server_args, *args, **kwargs):
         logger.info("%s: decode server of a shared-KV deployment: it refuses at once a request it can "
                     "never hold (docs/deploy.md, 'Sizing decode').", FLAG)
         return result
-    if server_args.disaggregation_mode == "null":
-        logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
-                       "(max_new_tokens=1); any decode step will fail. Never use it in production.",
-                       FLAG, TESTING_ALLOW_NON_PD_ENV)
+    warn_if_testing_without_pd(server_args.disaggregation_mode, logger)
     logger.info("%s: configuration accepted (attention CP size %d).", FLAG, server_args.attn_cp_size)
     return result
 
@@ -247,7 +244,7 @@ def configuration_problems(server_args, *, hf_config: Any = None, use_mla: Optio
                    "flashmla_auto picks flashmla_kv for fp8 KV on Hopper); "
                    f"set --nsa-prefill-backend {FP8_IN_SEQ_SPLIT_BACKEND} --nsa-decode-backend "
                    f"{FP8_IN_SEQ_SPLIT_BACKEND}, or leave both unset and the plugin picks them.")
-    testing_without_pd = server_args.disaggregation_mode == "null" and testing_non_pd_allowed()
+    testing_without_pd = is_testing_without_pd(server_args.disaggregation_mode)
     if server_args.disaggregation_mode != "prefill" and not testing_without_pd:
         refuse(f"--disaggregation-mode {server_args.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV, so it cannot decode locally; run "

@@ -38,8 +38,8 @@ from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.releases import v0523
 from sglang_cp_shared_kv.releases.installed import RECOMMENDED
 from sglang_cp_shared_kv.settings.config import (
-    FLAG, FLAG_ALIAS, FLAG_DEST, FLAG_HELP, TESTING_ALLOW_NON_PD_ENV, guards_decode, is_enabled,
-    testing_non_pd_allowed,
+    FLAG, FLAG_ALIAS, FLAG_DEST, FLAG_HELP, guards_decode, is_enabled, is_testing_without_pd,
+    warn_if_testing_without_pd,
 )
 from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE
 from sglang_cp_shared_kv.settings.server_args import (
@@ -134,10 +134,7 @@ def validate_after_stock_checks(result, server_args, *args, **kwargs):
     if is_enabled(server_args):
         hook_check.require_hooks_applied("main process")
         refuse_problems(configuration_problems(server_args))
-        if sg.resolved_view(server_args).disaggregation_mode == "null":
-            logger.warning("%s: %s=1 lets this server run without PD for prefill-only testing "
-                           "(max_new_tokens=1); any decode step will fail. Never use it in production.",
-                           FLAG, TESTING_ALLOW_NON_PD_ENV)
+        warn_if_testing_without_pd(sg.resolved_view(server_args).disaggregation_mode, logger)
         logger.warning(NOT_GPU_VERIFIED)
     return result
 
@@ -219,7 +216,7 @@ def configuration_problems(server_args) -> List[str]:
         refuse(f"--cuda-graph-backend-prefill {chosen_graph}",
                "shared KV's per-layer collectives and page-table translation run outside a graph; add "
                "--disable-prefill-cuda-graph.")
-    testing_without_pd = cfg.disaggregation_mode == "null" and testing_non_pd_allowed()
+    testing_without_pd = is_testing_without_pd(cfg.disaggregation_mode)
     if cfg.disaggregation_mode != "prefill" and not testing_without_pd:
         refuse(f"--disaggregation-mode {cfg.disaggregation_mode}",
                "each CP rank holds only its stripe of the KV; run this server with --disaggregation-mode "
