@@ -39,6 +39,7 @@ _MOONCAKE = "sglang.srt.disaggregation.mooncake.conn"
 _PREFILL_QUEUE = "sglang.srt.disaggregation.prefill.PrefillBootstrapQueue"
 _MLA_ATTENTION = "sglang.srt.models.deepseek_v2.DeepseekV2AttentionMLA"
 _DECODE_QUEUE = "sglang.srt.disaggregation.decode.DecodePreallocQueue"
+_DECODE_TRANSFER_QUEUE = "sglang.srt.disaggregation.decode.DecodeTransferQueue"
 _HOST_POOLS = "sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler"
 _HYBRID_CONTROLLER = "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller.HybridCacheController"
 _HOST_POOL_GROUP = "sglang.srt.mem_cache.memory_pool_host.HostPoolGroup"
@@ -153,10 +154,22 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
                  transfer.fail_unsent_room_on_release, "around"),
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.sync_status_to_decode_endpoint",
                  transfer.report_failure_cause_to_decode, "around"),
+        # a failed room: each rank tells decode once its last write of it is done (drain markers
+        # behind its chunks, met by the transfer workers)
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.transfer_worker", transfer.drain_markers_reach_the_worker, "around"),
+        HookSpec(f"{_MOONCAKE}.MooncakeKVSender.failure_exception", transfer.drain_room_failed_by_the_group, "around"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,
                  "around"),
+        # ... and hold a failed room's pages and metadata slot until every prefill rank is done with them
+        HookSpec(f"{_DECODE_TRANSFER_QUEUE}.__init__", decode_server.hold_failed_rooms, "after"),
+        HookSpec(f"{_DECODE_TRANSFER_QUEUE}.pop_transferred", decode_server.pop_transferred_holding_failed_rooms,
+                 "around"),
+        HookSpec("sglang.srt.mem_cache.common.release_kv_cache", decode_server.release_unless_held, "around"),
+        HookSpec("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin.process_decode_queue",
+                 decode_server.release_drained_rooms, "after"),
+        HookSpec("sglang.srt.managers.scheduler.Scheduler.is_fully_idle", decode_server.busy_while_holding, "after"),
     )
 
 

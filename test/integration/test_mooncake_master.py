@@ -5,19 +5,16 @@ one agreed point on this (its docstring: SGLang's store warmup lost its key to a
 expire, CI of c3e0bc6)."""
 
 import pytest
-import torch.distributed
 
 from sglang_cp_shared_kv_testing.mooncake_master import close_store_clients, mooncake_master
-from sglang_cp_shared_kv_testing.support import free_port, mooncake_engine_or_skip
+from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
 
 
 @pytest.fixture
-def one_rank_group():
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield torch.distributed.group.WORLD
-    finally:
-        torch.distributed.destroy_process_group()
+def one_rank_group(sglang_world_of_one):
+    from sglang.srt.distributed import parallel_state as ps
+
+    return ps.get_tp_group().cpu_group  # (a gloo group of this process alone)
 
 
 def _client(extra: dict, segment_bytes: int):

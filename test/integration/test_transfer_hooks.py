@@ -23,7 +23,7 @@ from sglang_cp_shared_kv.settings.config import FLAG_DEST
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
 from sglang_cp_shared_kv.transfer import hooks as transfer
 from sglang_cp_shared_kv.transfer import prefill, shard_writes
-from sglang_cp_shared_kv.transfer.failure_cause import parse_failure_cause
+from sglang_cp_shared_kv.transfer.failure_cause import parse_drained_notice, parse_failure_cause
 from sglang_cp_shared_kv.transfer.pages import (
     MAX_DESCRIPTORS_ENV,
     CpSharedKVTransferError,
@@ -86,6 +86,10 @@ def make_manager(*, shared=True, cp_size=2, cp_rank=0, physical_pages=10, mode="
         state_item_lens=[[STATE_ITEM] * LAYERS])
     mgr.request_status, mgr.transfer_infos, mgr.decode_kv_args_table = {}, {}, {}
     mgr.failure_records, mgr.failure_lock = {}, threading.Lock()
+    if mode == "prefill":  # (SGLang's default SGLANG_DISAGGREGATION_QUEUE_SIZE is 4; two show the count)
+        from sglang.srt.disaggregation.common.utils import FastQueue
+
+        mgr.transfer_queues = [FastQueue(), FastQueue()]
     return mgr
 
 
@@ -125,6 +129,8 @@ def test_plugin_table_has_every_transfer_hook():
         "CommonKVSender.abort": "around",
         "prefill.release_req_to_metadata_buffer": "around",
         "MooncakeKVManager.update_status": "around",
+        "MooncakeKVManager.transfer_worker": "around",
+        "MooncakeKVSender.failure_exception": "around",
     }
 
 
@@ -661,8 +667,10 @@ def test_an_abort_before_decode_registered_is_told_when_it_registers(caplog):
         mgr.transfer_infos[23] = {info.mooncake_session_id: info}  # decode registers
         transfer.fail_late_registration_of_aborted_room(update, mgr, 23, KVPoll.WaitingForInput)
         transfer.fail_late_registration_of_aborted_room(update, mgr, 23, KVPoll.WaitingForInput)
-    (remote, port, (cause, status)), = notices.sent
+    # (the drained notice too: a target that registered after the abort was never written to)
+    (remote, port, (cause, status, drained)), = notices.sent
     assert status == [b"23", str(KVPoll.Failed).encode(), b"2"] and parse_failure_cause(cause)[0] == 23
+    assert parse_drained_notice(drained) == (23, 2)
     assert len(update.calls) == 4  # SGLang's update_status ran every time
     assert prefill.transfer_stats(mgr)["aborted_requests"] == 1
 
@@ -684,7 +692,11 @@ def test_an_abort_during_registration_tells_each_decode_target_once():
     transfer.fail_late_registration_of_aborted_room(Recorder(), mgr, 24, KVPoll.WaitingForInput)
     transfer.fail_late_registration_of_aborted_room(Recorder(), mgr, 24, KVPoll.WaitingForInput)
     assert [port for _, port, _ in notices.sent] == [5555, 5556]
-    assert all(parse_failure_cause(cause)[0] == 24 for _, _, (cause, _) in notices.sent)
+    assert all(parse_failure_cause(messages[0])[0] == 24 for _, _, messages in notices.sent)
+    # the late one never had a chunk: drained with its Failed (the first one's comes behind the
+    # room's chunks, from the transfer queues)
+    assert [len(messages) for _, _, messages in notices.sent] == [2, 3]
+    assert parse_drained_notice(notices.sent[1][2][2]) == (24, 0)
 
 
 def test_an_abort_while_decode_registers_other_targets_never_raises():
@@ -768,3 +780,179 @@ def test_the_failed_status_frames_are_sglangs():
     from sglang_cp_shared_kv.transfer.failure_cause import encode_failed_status
 
     assert encode_failed_status(7, 3) == [b"7", str(int(KVPoll.Failed)).encode("ascii"), b"3"]
+
+
+# ------------------------------------- a failed room: drained notices (SGLang 0.5.12.post1)
+STOP = "stop"  # put behind a queue's markers so a worker's get returns once they are taken
+
+
+def take_all(queue) -> list:
+    """What SGLang's transfer worker takes from ``queue`` (through the plugin's queue) until
+    :data:`STOP`, in order."""
+    from sglang_cp_shared_kv.transfer.room_drain import DrainingQueue
+
+    queue.put(STOP)
+    draining, taken = DrainingQueue(queue), []
+    while (item := draining.get()) != STOP:
+        taken.append(item)
+    return taken
+
+
+def sender(mgr, room, conclude_state=None):
+    conn = _conn()
+    sender = object.__new__(conn.MooncakeKVSender)
+    sender.kv_mgr, sender.bootstrap_room, sender.conclude_state = mgr, room, conclude_state
+    return sender
+
+
+def failure_exception(sender):
+    """SGLang's ``MooncakeKVSender.failure_exception`` through the plugin's hook, as SGLang's
+    prefill calls it once its group agreed the room failed (it clears the room and raises)."""
+    import inspect
+
+    from sglang.srt.disaggregation.mooncake.conn import KVTransferError, MooncakeKVSender
+
+    with pytest.raises(KVTransferError):
+        transfer.drain_room_failed_by_the_group(inspect.unwrap(MooncakeKVSender.failure_exception), sender)
+
+
+@pytest.mark.parametrize("own_status", ["Success", "Transferring", "Failed"])
+def test_a_room_the_group_failed_tells_decode_drained_after_every_queue_passed_its_marker(own_status):
+    """SGLang's prefill calls ``failure_exception`` on every CP rank once the group agreed a room
+    failed, whatever the rank's own status (a rank may have sent all of it), and clears it; a
+    chunk taken earlier may still be written. The drained notice leaves only once each transfer
+    queue has passed the marker (every chunk ahead of it done), once, to each real target."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_cp_shared_kv.transfer.failure_cause import encode_drained_notice
+
+    mgr = make_manager(cp_size=3, cp_rank=1)
+    info = ready_room(mgr, 31, dst_pages=[70, 71])
+    dummy = dataclasses.replace(info, mooncake_session_id="127.0.0.1:7009", dst_port=5599, is_dummy=True)
+    mgr.transfer_infos[31][dummy.mooncake_session_id] = dummy
+    mgr.request_status[31] = getattr(KVPoll, own_status)
+    mgr.transfer_queues[0].put("chunk of room 31")
+    failure_exception(sender(mgr, 31, conclude_state=KVPoll.Success if own_status == "Success" else None))
+    assert 31 not in mgr.transfer_infos and 31 not in mgr.request_status  # SGLang's clear ran
+    assert mgr.sent_frames == []
+    assert take_all(mgr.transfer_queues[0]) == ["chunk of room 31"]  # the chunk first, then the marker
+    assert mgr.sent_frames == []  # one queue still holds its marker
+    assert take_all(mgr.transfer_queues[1]) == []
+    notice = encode_drained_notice(mgr.AUX_DATA_HEADER, 31, 1)
+    assert mgr.sent_frames == [("tcp://127.0.0.1:5555", notice)]  # the real target, once (no dummy)
+    failure_exception(sender(mgr, 31))  # again: no second marker
+    assert take_all(mgr.transfer_queues[0]) == [] and len(mgr.sent_frames) == 1
+
+
+def test_a_rank_that_sent_all_of_a_room_the_group_then_failed_still_tells_decode():
+    """SGLang's transfer worker drops a room's targets once this rank's last chunk is written
+    (its Success is sent); the group may agree on Failed after that (another rank failed), and
+    decode, which gave the room up at the first Failed, ignored that Success. The drained
+    notice goes to the endpoints the room's first chunk had."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(cp_size=2, cp_rank=0)
+    ready_room(mgr, 36, dst_pages=[70, 71])
+    physical, positions = transfer.filter_owned_pages(Recorder(), mgr, np.array([1, 2], np.int32), slice(0, 2))
+    transfer.enqueue_owned_chunk(Recorder(), mgr, 36, physical, positions, True, aux_index=1)
+    mgr.request_status[36] = KVPoll.Success
+    del mgr.transfer_infos[36]  # what the worker does once this rank's part is sent
+    failure_exception(sender(mgr, 36, conclude_state=KVPoll.Success))
+    assert take_all(mgr.transfer_queues[0]) == take_all(mgr.transfer_queues[1]) == []
+    assert [(endpoint, parse_drained_notice(frames)) for endpoint, frames in mgr.sent_frames] == [
+        ("tcp://127.0.0.1:5555", (36, 0))]
+
+
+def test_a_room_the_group_failed_on_a_flag_off_prefill_puts_no_marker():
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(shared=False)
+    ready_room(mgr, 32, dst_pages=[70])
+    mgr.request_status[32] = KVPoll.Failed
+    original = Recorder(result="raised")
+    assert transfer.drain_room_failed_by_the_group(original, sender(mgr, 32)) == "raised"
+    assert len(original.calls) == 1
+    assert all(not queue._buf for queue in mgr.transfer_queues) and mgr.sent_frames == []
+
+
+def test_an_abort_drains_the_room_once_and_later_chunks_stay_out():
+    """The abort path tells decode Failed at once (scheduler thread); the drained notice follows
+    once the chunks already queued are done, and the clear after it adds no second marker."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(cp_size=2, cp_rank=0)
+    ready_room(mgr, 33, dst_pages=[70, 71, 72])
+    prefill.prefill_transfer(mgr)._abort_notices = Notices()
+    mgr.transfer_queues[1].put("queued chunk")
+    transfer.fail_aborted_room_on_decode(Recorder(), SimpleNamespace(kv_mgr=mgr, bootstrap_room=33, aux_index=1))
+    later = Recorder()
+    transfer.enqueue_owned_chunk(later, mgr, 33, np.array([1], np.int32), np.array([0]), True, aux_index=1)
+    assert later.calls == []  # nothing enqueued behind the marker
+    mgr.request_status[33] = KVPoll.Failed
+    failure_exception(sender(mgr, 33))
+    assert take_all(mgr.transfer_queues[0]) == [] and mgr.sent_frames == []
+    assert take_all(mgr.transfer_queues[1]) == ["queued chunk"]
+    assert [parse_drained_notice(frames) for _, frames in mgr.sent_frames] == [(33, 0)]
+
+
+def test_the_worker_takes_chunks_through_the_draining_queue_only_with_the_flag_on_a_prefill():
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    from sglang_cp_shared_kv.transfer.room_drain import DrainingQueue
+
+    for mgr, wrapped in ((make_manager(), True), (make_manager(shared=False), False),
+                         (make_manager(mode="decode"), False)):
+        queue, worker = FastQueue(), Recorder(result=None)
+        transfer.drain_markers_reach_the_worker(worker, mgr, queue, "executor")
+        (args, _), = worker.calls
+        assert args[0] is mgr and args[2] == "executor"
+        assert isinstance(args[1], DrainingQueue) is wrapped and (args[1] is queue) is not wrapped
+
+
+def test_a_drained_notice_that_raises_never_stops_the_worker(caplog):
+    """SGLang's worker loop dies with any exception it sees (the prefill is then dead)."""
+    from sglang.srt.disaggregation.common.utils import FastQueue
+
+    from sglang_cp_shared_kv.transfer.room_drain import put_drain_markers
+
+    def broken():
+        raise OSError("socket gone")
+
+    queue = FastQueue()
+    put_drain_markers([queue], 34, broken)
+    queue.put("next chunk")
+    with caplog.at_level(logging.ERROR, logger="sglang_cp_shared_kv.transfer"):
+        assert take_all(queue) == ["next chunk"]
+    assert "the drained notice of room 34 failed" in caplog.text and "socket gone" in caplog.text
+
+
+def test_drain_markers_in_a_real_worker_thread_follow_every_write_before_them():
+    """A worker thread taking chunks slowly (each a write that takes time): the drained notice
+    of a room is sent after the last chunk queued before the clear was written, never before."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    mgr = make_manager(cp_size=2, cp_rank=1)
+    ready_room(mgr, 35, dst_pages=[70, 71])
+    written = []
+
+    def worker(queue):
+        while (item := queue.get()) != STOP:
+            time.sleep(0.05)  # the write
+            written.append((item, len(mgr.sent_frames)))
+
+    from sglang_cp_shared_kv.transfer.room_drain import DrainingQueue
+
+    threads = [threading.Thread(target=worker, args=(DrainingQueue(q),)) for q in mgr.transfer_queues]
+    for n in range(3):
+        mgr.transfer_queues[n % 2].put(f"chunk {n}")
+    for thread in threads:
+        thread.start()
+    mgr.request_status[35] = KVPoll.Failed
+    failure_exception(sender(mgr, 35))
+    for queue in mgr.transfer_queues:
+        queue.put(STOP)
+    for thread in threads:
+        thread.join(10)
+    assert sorted(item for item, _ in written) == ["chunk 0", "chunk 1", "chunk 2"]
+    assert all(notices_before == 0 for _, notices_before in written)  # no notice before any write
+    assert [parse_drained_notice(frames) for _, frames in mgr.sent_frames] == [(35, 1)]

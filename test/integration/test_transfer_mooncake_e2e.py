@@ -48,6 +48,7 @@ mooncake_engine = mooncake_engine_or_skip()
 
 from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout  # noqa: E402
 from sglang_cp_shared_kv.pool.kv_geometry import PAGE_SIZE  # noqa: E402
+from sglang_cp_shared_kv.releases import installed  # noqa: E402
 from sglang_cp_shared_kv_testing import pd_rig as rig  # noqa: E402
 from sglang_cp_shared_kv_testing.pd.releases import release  # noqa: E402
 from sglang_cp_shared_kv.transfer.pages import DEFAULT_MAX_DESCRIPTORS_PER_BATCH  # noqa: E402
@@ -62,6 +63,11 @@ KILL_TIMEOUT_S = 6  # decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT for the kil
 ABORT_TIMEOUT_S = 8  # the same for the aborted requests (stock waits all of it)
 MAIN_PROCS = ["P0", "P1", "P2", "P3"]
 REFUSED_INSTANCES = ("R1", "R2", "S2", "S3")
+#: SGLang 0.5.12.post1: a shared instance's failed rooms are agreed by its ranks (as SGLang's
+#: prefill group does) and decode reuses their pages once every rank drained (0.5.23's decode
+#: holds them itself: ABORT and its acknowledgement)
+DRAIN = {} if installed.INSTALLED.deferred_decode_release else {"agree": True, "drain": True}
+SLOW_WRITE_S = 1.5
 
 # (name, seq_len, chunk ends, decode prefix pages, logical page order, decode page order)
 SCENARIOS = [
@@ -130,33 +136,35 @@ def build_plan():
         add(f"{pair}/R1", "R1", seq_len, ends, 0, logical, "contiguous", 20 + n, pair=pair)
         add(f"{pair}/S{n}", f"S{n}", seq_len, ends, 0, logical, "contiguous", 20 + n, pair=pair)
     add("decode-preallocated-too-few-pages/S2", "S2", 20 * PAGE, [20 * PAGE], 0, np.arange(1, 21), "contiguous",
-        8, decode_short_by=2, expect="failed")
+        8, decode_short_by=2, expect="failed", **DRAIN)
     # Prefill refused the prompt and sent SGLang's one-token stand-in; decode preallocated
     # all 30 pages. Stock (R1, R2) completes it; the flag (S2, S3) fails it on both sides.
     for instance in REFUSED_INSTANCES if RELEASE.stock_sends_refused_prompt_standin else ():
         add(f"prefill-refused-prompt/{instance}", instance, 30 * PAGE, [30 * PAGE], 0, np.arange(1, 31),
-            "contiguous", 11, prefill_refused=True, expect="stock" if instance.startswith("R") else "failed")
+            "contiguous", 11, prefill_refused=True, expect="stock" if instance.startswith("R") else "failed",
+            **({} if instance.startswith("R") else DRAIN))
     # The prefill aborts the request after bootstrap (SGLang's abort_request: sender.abort()).
     # Stock (R2) leaves decode waiting for its waiting timeout; the flag (S3) tells it at once.
     add("prefill-aborts/R2", "R2", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
         prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
     add("prefill-aborts/S3", "S3", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
-        prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S)
+        prefill_aborts=True, expect="failed", decode_waiting_timeout=ABORT_TIMEOUT_S, **DRAIN)
     # ... and before decode registered the room (decode registers a second later)
     for instance in ("R2", "S3"):
         add(f"prefill-aborts-early/{instance}", instance, 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous",
             13, prefill_aborts="before_registration", decode_registers_after_s=1.0, expect="failed",
-            decode_waiting_timeout=ABORT_TIMEOUT_S)
+            decode_waiting_timeout=ABORT_TIMEOUT_S, **({} if instance.startswith("R") else DRAIN))
     # 52 pages, 50 cached on decode: each rank's KV batch is one page x 61 layers (fits the
     # 64-entry lane) and its index batch 26 pages x 61 layers.
     lane_pages = np.arange(1, 53)
     add("lane-low-batches-sized/LB", "LB", 52 * PAGE, [52 * PAGE], 50, lane_pages, "contiguous", 9)
     if not RELEASE.index_pages_from_prefix:  # else the index batch is the KV batch's size (2 pages)
         add("lane-low-index-write-rejected/LA", "LA", 52 * PAGE, [52 * PAGE], 50, lane_pages, "contiguous", 9,
-            expect="failed")
+            expect="failed", **DRAIN)
     # No decode prefix: the KV batch itself (26 pages x 61 layers) exceeds the lane.
+    # ... and rank 0 (P0) is slow: its write lands well after decode heard of the failure
     add("lane-low-kv-write-rejected/LA", "LA", 52 * PAGE, [52 * PAGE], 0, lane_pages, "contiguous", 9,
-        expect="failed")
+        expect="failed", **DRAIN, **({"slow_write": {"proc": "P0", "delay_s": SLOW_WRITE_S}} if DRAIN else {}))
     add("prefill-rank-killed/S4", "S4", 2000, [640, 1280, 2000], 0, np.arange(1, 33), "scattered", 10,
         expect="failed", kill={"proc": "P3", "after_chunks": 1}, decode_waiting_timeout=KILL_TIMEOUT_S)
 
@@ -409,6 +417,34 @@ def test_a_killed_prefill_rank_fails_the_request_within_the_timeout(pd_run):
     survivors = _ranks(pd_run, name)
     assert survivors.pop(3) is None  # the killed process left no result
     assert all(r["status"] == "success" for r in survivors.values()), survivors
+
+
+@pytest.mark.skipif(not DRAIN, reason="0.5.23's decode holds a failed room's pages itself (ABORT, acknowledgement)")
+def test_decode_reuses_a_failed_rooms_pages_once_every_prefill_rank_drained(pd_run):
+    """Every failed room of a shared instance: each prefill rank's drained notice (or its
+    Success before the failure) reached decode, which then reset the pages and handed them to
+    the rooms after it, whose bytes were verified (and no stray write was found: below)."""
+    drained = [room["name"] for room in pd_run["plan"]["rooms"] if room.get("drain")]
+    assert len(drained) >= 6, drained
+    for name in drained:
+        decode = _decode(pd_run, name)
+        cp_size = pd_run["plan"]["instances"][pd_run["by_name"][name]["instance"]]["cp_size"]
+        assert decode["status"] == "failed" and decode["drained"]["complete"], _context(pd_run, name)
+        assert decode["drained"]["ranks"] == list(range(cp_size)) == list(range(decode["drained"]["expected"]))
+        assert all(r["agreed"] == "failed" for r in _ranks(pd_run, name).values()), _ranks(pd_run, name)
+
+
+@pytest.mark.skipif(not DRAIN, reason="0.5.23's decode holds a failed room's pages itself (ABORT, acknowledgement)")
+def test_a_slow_ranks_late_write_lands_before_decode_reuses_the_pages(pd_run):
+    """The xPyD window of stock 0.5.12.post1: decode frees a room's pages on the first rank's
+    Failed, while another rank still writes there. Here rank 1's KV write fails at once and
+    rank 0's lands SLOW_WRITE_S later, after decode heard of the failure; decode reused the
+    pages only after it."""
+    name = "lane-low-kv-write-rejected/LA"
+    decode = _decode(pd_run, name)
+    slow_rank = _ranks(pd_run, name)[0]
+    landed = slow_rank["slow_write_landed_at"]
+    assert decode["failed_at"] < landed <= decode["drained"]["released_at"], (decode, slow_rank)
 
 
 def test_nothing_outside_the_requests_pages_was_written(pd_run):

@@ -268,6 +268,8 @@ DECODE_REFUSALS = {
     "hisparse": ({"nsa_decode_backend": "flashmla_sparse"}, {"enable_hisparse": True}, {}, "--enable-hisparse",
                  "Remove --enable-hisparse from the decode"),
     "ray_scheduler_actors": ({}, {"use_ray": True}, {}, "--use-ray", "launch the decode server without --use-ray"),
+    "failed_room_hold_not_positive": ({}, {}, {"SGLANG_CP_SHARED_KV_FAILED_ROOM_HOLD_S": "0"},
+                                      "SGLANG_CP_SHARED_KV_FAILED_ROOM_HOLD_S", "unset it for the default 30"),
 }
 
 

@@ -1,7 +1,8 @@
-"""The flag on a decode server (:func:`.settings.config.guards_decode`): its startup check, and its
+"""The flag on a decode server (:func:`.settings.config.guards_decode`): its startup check, its
 admission guard, which refuses at once a request it can never hold
-(:class:`.decode.admission.DecodeAdmission`: why, and the bound). Without the flag the
-decode server is stock.
+(:class:`.decode.admission.DecodeAdmission`: why, and the bound), and on 0.5.12.post1 the hold
+of a failed room's pages until every prefill rank stopped writing there
+(:mod:`.decode.failed_room_holds`). Without the flag the decode server is stock.
 
 The hooks here are SGLang 0.5.12.post1's; 0.5.23's are :mod:`.decode.server_v0523`. What both
 releases share is here: the refusal decision (:func:`refusal_of`), the answer
@@ -15,9 +16,17 @@ from typing import Callable, Optional
 
 from sglang_cp_shared_kv import hook_check
 from sglang_cp_shared_kv import sglang_api as sg
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.settings.config import FLAG, guards_decode
 from sglang_cp_shared_kv.decode.admission import DecodeAdmission
+from sglang_cp_shared_kv.decode.failed_room_holds import (
+    HOLD_REQUEST_ATTR,
+    FailedRoomHolds,
+    HoldRequest,
+    SlotsHeldBack,
+)
 from sglang_cp_shared_kv.settings.server_args import validate
+from sglang_cp_shared_kv.transfer.decode import room_drains
 
 logger = logging.getLogger(__name__)
 
@@ -80,5 +89,83 @@ def check_decode_server(result, queue, *args, **kwargs):
     return result
 
 
-__all__ = ["admission_of", "answer_refusal", "check_decode_server", "log_guard", "refusal_of",
-           "refuse_what_decode_can_never_hold"]
+# ------------------------------- SGLang 0.5.12.post1: a failed room's pages held until drained
+_HOLDS_ATTR = "_cp_shared_kv_failed_room_holds"
+
+
+def failed_room_holds(transfer_queue) -> Optional[FailedRoomHolds]:
+    """The holds of a ``DecodeTransferQueue`` (None: flag off, or a release whose decode holds
+    failed rooms itself)."""
+    return transfer_queue.__dict__.get(_HOLDS_ATTR)
+
+
+def hold_failed_rooms(result, transfer_queue, *args, **kwargs):
+    """AFTER ``DecodeTransferQueue.__init__``: flag on, the queue's :class:`FailedRoomHolds`, and
+    its metadata-slot allocator seen through :class:`SlotsHeldBack`."""
+    server_args = transfer_queue.scheduler.server_args
+    if guards_decode(server_args) and not installed.INSTALLED.deferred_decode_release:
+        allocator = transfer_queue.req_to_metadata_buffer_idx_allocator
+        holds = FailedRoomHolds(allocator.free, metrics=bool(getattr(server_args, "enable_metrics", False)))
+        transfer_queue.req_to_metadata_buffer_idx_allocator = SlotsHeldBack(allocator, holds)
+        setattr(transfer_queue, _HOLDS_ATTR, holds)
+        logger.info("%s (decode): a failed request's pages and metadata slot are held until every prefill rank "
+                    "has stopped writing them (at most %g s).", FLAG, holds.hold_s)
+    return result
+
+
+def pop_transferred_holding_failed_rooms(original, transfer_queue, *args, **kwargs):
+    """AROUND ``DecodeTransferQueue.pop_transferred``: for its duration, each queued request
+    carries what the release of a failed one needs (:class:`HoldRequest`)."""
+    holds = failed_room_holds(transfer_queue)
+    if holds is None:
+        return original(transfer_queue, *args, **kwargs)
+    marked = []
+    for decode_req in transfer_queue.queue:
+        receiver = decode_req.kv_receiver
+        drains = room_drains(receiver.kv_mgr) if receiver is not None else None
+        if drains is not None:
+            setattr(decode_req.req, HOLD_REQUEST_ATTR, HoldRequest(holds, drains, decode_req.metadata_buffer_index))
+            marked.append(decode_req.req)
+    try:
+        return original(transfer_queue, *args, **kwargs)
+    finally:
+        for req in marked:
+            req.__dict__.pop(HOLD_REQUEST_ATTR, None)
+
+
+def release_unless_held(original, req, tree_cache, *args, **kwargs):
+    """AROUND ``mem_cache.common.release_kv_cache`` (every caller): a failed room's release,
+    asked for inside ``pop_transferred``, is held (:meth:`FailedRoomHolds.defer`); every
+    other is SGLang's, at once."""
+    asked = getattr(req, HOLD_REQUEST_ATTR, None)
+    if asked is not None and asked.holds.defer(req, lambda: original(req, tree_cache, *args, **kwargs)):
+        return None
+    return original(req, tree_cache, *args, **kwargs)
+
+
+def release_drained_rooms(result, scheduler, *args, **kwargs):
+    """AFTER ``SchedulerDisaggregationDecodeMixin.process_decode_queue`` (every decode rank,
+    every loop): release the holds every rank finds ready (one agreed all-reduce while any is
+    out; here rather than in ``pop_transferred``, which SGLang skips while retracted requests
+    wait for memory the holds may be keeping)."""
+    queue = getattr(scheduler, "disagg_decode_transfer_queue", None)
+    holds = failed_room_holds(queue) if queue is not None else None
+    if holds is not None:
+        holds.release_ready(queue.gloo_group)
+    return result
+
+
+def busy_while_holding(result, scheduler, *args, for_health_check: bool = False, **kwargs):
+    """AFTER ``Scheduler.is_fully_idle``: not idle while a failed room's pages are held (SGLang's
+    idle check would count them as leaked; a flush would reset the pool under a late write).
+    The health check's answer is SGLang's."""
+    if not result or for_health_check or (args and args[0]):
+        return result
+    queue = getattr(scheduler, "disagg_decode_transfer_queue", None)
+    holds = failed_room_holds(queue) if queue is not None else None
+    return not (holds is not None and len(holds))
+
+
+__all__ = ["admission_of", "answer_refusal", "busy_while_holding", "check_decode_server", "failed_room_holds",
+           "hold_failed_rooms", "log_guard", "pop_transferred_holding_failed_rooms", "refusal_of",
+           "refuse_what_decode_can_never_hold", "release_drained_rooms", "release_unless_held"]

@@ -13,6 +13,8 @@
 * ``SGLANG_CP_SHARED_KV_NVTX=1`` marks the plugin's work with NVTX ranges (Nsight Systems)
   and times each stage (``observability/stage_timer.py``; ``SGLANG_CP_SHARED_KV_TIMING_DIR`` names where
   each rank writes the figures);
+* ``SGLANG_CP_SHARED_KV_FAILED_ROOM_HOLD_S`` bounds how long a decode server holds a failed
+  room's pages for the prefill ranks' drained notices (0.5.12.post1; default 30);
 * ``SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD`` is for end-to-end tests only.
 """
 
@@ -54,6 +56,13 @@ TESTING_ALLOW_NON_PD_ENV = "SGLANG_CP_SHARED_KV_TESTING_ALLOW_NON_PD"
 TRANSFER_BATCH_DESCRIPTORS_ENV = "SGLANG_CP_SHARED_KV_TRANSFER_BATCH_DESCRIPTORS"
 DEFAULT_TRANSFER_BATCH_DESCRIPTORS = 1024
 
+#: Decode (SGLang 0.5.12.post1): the longest a failed room's pages and metadata slot stay held
+#: for the prefill ranks' drained notices (:mod:`.decode.failed_room_holds`).
+#: NOTE: 30 s is SGLang 0.5.23's own bound for the same hold (its decode waits that long for
+#: each prefill rank's abort acknowledgement), far above a rank's queued writes on a live link.
+FAILED_ROOM_HOLD_ENV = "SGLANG_CP_SHARED_KV_FAILED_ROOM_HOLD_S"
+DEFAULT_FAILED_ROOM_HOLD_S = 30.0
+
 
 def is_enabled(server_args) -> bool:
     """Whether ``server_args`` carries the flag, on a server of either role (False for a
@@ -87,6 +96,22 @@ def prefetch_enabled() -> bool:
 
 def nvtx_enabled() -> bool:
     return _env_true(NVTX_ENV)
+
+
+def failed_room_hold_s() -> float:
+    """:data:`FAILED_ROOM_HOLD_ENV` in seconds (default :data:`DEFAULT_FAILED_ROOM_HOLD_S`);
+    raises ValueError, naming the variable and the fix, for anything but a positive number."""
+    text = os.environ.get(FAILED_ROOM_HOLD_ENV, "").strip()
+    if not text:
+        return DEFAULT_FAILED_ROOM_HOLD_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{FAILED_ROOM_HOLD_ENV}={text!r}: the hold of a failed room's pages must be a positive "
+                         f"number of seconds; unset it for the default {DEFAULT_FAILED_ROOM_HOLD_S:g}.")
+    return value
 
 
 def testing_non_pd_allowed() -> bool:

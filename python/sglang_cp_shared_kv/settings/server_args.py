@@ -37,6 +37,7 @@ from sglang_cp_shared_kv.settings.config import (
     FLAG,
     FLAG_DEST,
     FLAG_HELP,
+    failed_room_hold_s,
     guards_decode,
     is_enabled,
     is_testing_without_pd,
@@ -425,6 +426,11 @@ def decode_configuration_problems(server_args, *, hf_config: Any = None) -> List
                "--enable-hisparse from the decode server.")
     ray_problem(server_args, refuse, "a request this decode can never hold would wait at the head of its "
                  "queue while this process reports the guard on", "decode")
+    if not installed.INSTALLED.deferred_decode_release:  # (the hold of a failed room's pages: 0.5.12.post1's)
+        try:
+            failed_room_hold_s()
+        except ValueError as exc:  # (its message names the variable and the fix)
+            problems.append(str(exc))
     return problems
 
 

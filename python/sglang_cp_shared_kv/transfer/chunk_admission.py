@@ -68,6 +68,7 @@ class ChunkAdmission:
             # SGLang drops chunks of failed and unknown rooms itself.
             return original(kv_mgr, room, kv_indices, index_slice, is_last_chunk,
                             aux_index=aux_index, state_indices=state_indices, **chunk_extras)
+        self.remember_decode_endpoints(kv_mgr, room)
         physical_pages, positions = kv_indices, index_slice
         problem = chunk_problem(physical_pages, positions, self.buffers.kv_buffer_pages,
                                 self._destinations(kv_mgr, room), is_last_chunk=bool(is_last_chunk))

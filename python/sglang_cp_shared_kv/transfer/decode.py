@@ -1,23 +1,111 @@
-"""The decode side: keep a shared-KV prefill's failure cause and name it in the failure.
+"""The decode side: keep a shared-KV prefill's failure cause and name it in the failure; keep
+its drained notices and what each failed room waits for.
 
-Decode runs stock SGLang; this only acts on the cause message of :mod:`.failure_cause`
-(which only a shared-KV prefill sends). The causes of one decode manager live on it, per
-room, bounded, until ``MooncakeKVReceiver.failure_exception`` of that room reads them.
+Decode runs stock SGLang; this only acts on the messages of :mod:`.failure_cause` (which only
+a shared-KV prefill sends). The causes of one decode manager live on it, per room, bounded,
+until ``MooncakeKVReceiver.failure_exception`` of that room reads them. With the flag on
+decode (SGLang 0.5.12.post1), :class:`RoomDrains` keeps, also per room and bounded, which
+prefill ranks have stopped writing a failed room, for :mod:`..decode.failed_room_holds`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
-from typing import Optional
+from typing import FrozenSet, Optional
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, parse_failure_cause
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.settings.config import guards_decode
+from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, parse_drained_notice, parse_failure_cause
 
 logger = logging.getLogger(__name__)
 
 _DECODE_CAUSES_ATTR = "_cp_shared_kv_failure_causes"
 _CAUSES_LOCK = threading.Lock()
+_ROOM_DRAINS_ATTR = "_cp_shared_kv_room_drains"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailedRoom:
+    """What decode knew of a room when it failed, read before SGLang's ``clear`` drops it."""
+
+    expected: Optional[int]  #: prefill senders SGLang counts for the room (None: not known)
+    succeeded: FrozenSet[int]  #: the senders whose Success had arrived (each wrote its last chunk)
+
+
+class RoomDrains:
+    """One decode manager's record of failed rooms: :class:`FailedRoom` per room, and the
+    prefill ranks whose drained notice arrived (receiver thread; a notice may come before
+    the room fails here). Bounded like the causes."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._drained = BoundedRooms()  # room -> frozenset of prefill ranks
+        self._failed = BoundedRooms()  # room -> FailedRoom
+
+    def drained(self, room: int, prefill_rank: int) -> None:
+        with self._lock:
+            self._drained.put(room, (self._drained.get(room) or frozenset()) | {prefill_rank})
+
+    def failed(self, room: int, failure: FailedRoom) -> None:
+        self._failed.put(room, failure)
+
+    def failure(self, room: int) -> Optional[FailedRoom]:
+        return self._failed.get(room)
+
+    def heard(self, room: int) -> FrozenSet[int]:
+        """The prefill ranks done with ``room``: Success before it failed, or drained since."""
+        failure = self._failed.get(room)
+        with self._lock:
+            drained = self._drained.get(room) or frozenset()
+        return drained | (failure.succeeded if failure is not None else frozenset())
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._drained.pop(room)
+        self._failed.pop(room)
+
+
+def room_drains(kv_mgr) -> Optional[RoomDrains]:
+    """The decode manager's :class:`RoomDrains` (made on first use) where the plugin holds a
+    failed room's pages (the flag on decode, a release whose decode frees them at once);
+    None elsewhere."""
+    drains = kv_mgr.__dict__.get(_ROOM_DRAINS_ATTR)
+    if drains is not None:
+        return drains
+    if installed.INSTALLED.deferred_decode_release or not guards_decode(getattr(kv_mgr, "server_args", None)):
+        return None
+    with _CAUSES_LOCK:
+        return kv_mgr.__dict__.setdefault(_ROOM_DRAINS_ATTR, RoomDrains())
+
+
+def keep_drained_notice(kv_mgr, msg) -> bool:
+    """Whether ``msg`` (an ``AUX_DATA`` message) is a drained notice, which is then kept for
+    its room where the plugin holds failed rooms (:func:`room_drains`). False: not one."""
+    parsed = parse_drained_notice(msg)
+    if parsed is None:
+        return False
+    drains = room_drains(kv_mgr)
+    if drains is not None:
+        room, prefill_rank = parsed
+        drains.drained(room, prefill_rank)
+        logger.debug("CP shared KV transfer: room %s: prefill rank %s drained", room, prefill_rank)
+    return True
+
+
+def note_failed_room(receiver) -> None:
+    """Before SGLang's ``failure_exception`` clears ``receiver``'s room: what the room waits
+    for (:class:`FailedRoom`), where the plugin holds failed rooms."""
+    kv_mgr = receiver.kv_mgr
+    drains = room_drains(kv_mgr)
+    room = getattr(receiver, "bootstrap_room", None)
+    if drains is None or room is None:
+        return
+    expected = kv_mgr.required_prefill_response_num_table.get(room)
+    succeeded = frozenset(kv_mgr.prefill_response_tracker.get(room, ()))
+    drains.failed(room, FailedRoom(expected=None if expected is None else int(expected), succeeded=succeeded))
 
 
 def keep_failure_cause(kv_mgr, msg) -> bool:
@@ -49,4 +137,5 @@ def with_cause(kv_mgr, exc):
     return sg.KVTransferError(exc.bootstrap_room, f"{exc.failure_reason}; cause: {cause}")
 
 
-__all__ = ["keep_failure_cause", "with_cause"]
+__all__ = ["FailedRoom", "RoomDrains", "keep_drained_notice", "keep_failure_cause", "note_failed_room", "room_drains",
+           "with_cause"]

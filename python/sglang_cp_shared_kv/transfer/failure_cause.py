@@ -8,6 +8,9 @@ without it logs SGLang's "AUX_DATA length mismatch" and drops the message withou
 touching a buffer.
 
 Frames: ``[AUX_DATA header, room (ascii), b"0", b"0", 0xFFFFFFFF, prefix + UTF-8 text]``.
+
+The drained notice (:mod:`.room_drain`: a prefill rank will write nothing more for a failed
+room) travels the same way, with its own prefix and the sender id decode counts ranks by.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 CAUSE_LENGTH_FIELD = b"\xff\xff\xff\xff"
 CAUSE_PREFIX = b"sglang-cp-shared-kv failure cause:"
+DRAINED_PREFIX = b"sglang-cp-shared-kv drained:"
 MAX_CAUSE_BYTES = 4000
 MAX_TRACKED_ROOMS = 4096
 
@@ -44,6 +48,23 @@ def parse_failure_cause(msg: Sequence[bytes]) -> Optional[Tuple[int, str]]:
     except (UnicodeDecodeError, ValueError):
         return None
     return room, msg[5][len(CAUSE_PREFIX):].decode("utf-8", "replace")
+
+
+def encode_drained_notice(aux_data_header: bytes, room: int, prefill_rank: int) -> List[bytes]:
+    """The frames telling decode that ``prefill_rank`` (SGLang's sender id, the one its
+    status message carries) has written or skipped every chunk of the failed ``room``."""
+    return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD,
+            DRAINED_PREFIX + str(prefill_rank).encode("ascii")]
+
+
+def parse_drained_notice(msg: Sequence[bytes]) -> Optional[Tuple[int, int]]:
+    """``(room, prefill_rank)`` of a drained notice; None for any other message."""
+    if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(DRAINED_PREFIX):
+        return None
+    try:
+        return int(msg[1].decode("ascii")), int(msg[5][len(DRAINED_PREFIX):].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return None
 
 
 class BoundedRooms:
@@ -77,5 +98,6 @@ class BoundedRooms:
             return len(self._items)
 
 
-__all__ = ["CAUSE_LENGTH_FIELD", "CAUSE_PREFIX", "MAX_CAUSE_BYTES", "MAX_TRACKED_ROOMS",
-           "encode_failure_cause", "encode_failed_status", "parse_failure_cause", "BoundedRooms"]
+__all__ = ["CAUSE_LENGTH_FIELD", "CAUSE_PREFIX", "DRAINED_PREFIX", "MAX_CAUSE_BYTES", "MAX_TRACKED_ROOMS",
+           "encode_failure_cause", "encode_failed_status", "encode_drained_notice", "parse_failure_cause",
+           "parse_drained_notice", "BoundedRooms"]

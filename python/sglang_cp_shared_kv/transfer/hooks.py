@@ -13,11 +13,13 @@ cause message (:mod:`.decode`).
 from __future__ import annotations
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.settings.config import FLAG
+from sglang_cp_shared_kv.settings.config import FLAG, shares_kv
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
-from sglang_cp_shared_kv.transfer.decode import keep_failure_cause, with_cause
+from sglang_cp_shared_kv.transfer.decode import keep_drained_notice, keep_failure_cause, note_failed_room, with_cause
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
 from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, prefill_transfer
+from sglang_cp_shared_kv.transfer.room_drain import DrainingQueue
+from sglang_cp_shared_kv.transfer.rooms import room_targets
 
 
 # ------------------------------------------------------------ prefill hooks
@@ -132,17 +134,46 @@ def report_failure_cause_to_decode(original, kv_mgr, remote, dst_port, room, sta
     return original(kv_mgr, remote, dst_port, room, status, prefill_rank)
 
 
+def drain_markers_reach_the_worker(original, kv_mgr, queue, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.transfer_worker`` (0.5.12.post1; each worker thread, which the
+    manager's ``__init__`` starts): with the flag, the worker takes its chunks through
+    :class:`.room_drain.DrainingQueue`, which runs the drain markers among them."""
+    if (shares_kv(getattr(kv_mgr, "server_args", None))
+            and kv_mgr.disaggregation_mode == sg.DisaggregationMode.PREFILL):
+        queue = DrainingQueue(queue)
+    return original(kv_mgr, queue, *args, **kwargs)
+
+
+def drain_room_failed_by_the_group(original, sender, *args, **kwargs):
+    """AROUND ``MooncakeKVSender.failure_exception`` (0.5.12.post1): SGLang's prefill calls it on
+    every CP rank once the group agreed the room failed (its poll's MIN), whatever this rank's
+    own status, and it clears the room: the room's drain markers go out, so decode hears when
+    this rank's last write of it is done (:meth:`.room_failures.RoomFailureNotices.drain_failed_room`)."""
+    kv_mgr = sender.kv_mgr
+    context = prefill_transfer(kv_mgr)
+    if context is None:
+        return original(sender, *args, **kwargs)
+    room = sender.bootstrap_room
+    targets = room_targets(kv_mgr, room)  # (before SGLang's clear drops them)
+    try:
+        return original(sender, *args, **kwargs)  # (raises SGLang's KVTransferError)
+    finally:
+        context.drain_failed_room(kv_mgr, room, targets)
+
+
 # ------------------------------------------------------------- decode hooks
 def accept_failure_cause(original, kv_mgr, msg, *args, **kwargs):
     """AROUND ``MooncakeKVManager._handle_aux_data`` (decode): keep a shared-KV prefill's
-    failure cause for the room; every other message is SGLang's."""
-    if keep_failure_cause(kv_mgr, msg):
+    failure cause or drained notice for the room; every other message is SGLang's."""
+    if keep_failure_cause(kv_mgr, msg) or keep_drained_notice(kv_mgr, msg):
         return None
     return original(kv_mgr, msg, *args, **kwargs)
 
 
 def failure_exception_with_cause(original, receiver, *args, **kwargs):
-    """AROUND ``MooncakeKVReceiver.failure_exception`` (decode): name the prefill's cause."""
+    """AROUND ``MooncakeKVReceiver.failure_exception`` (decode): name the prefill's cause;
+    first note what the failed room waits for, before SGLang clears it (:func:`.decode.note_failed_room`)."""
+    note_failed_room(receiver)
     try:
         return original(receiver, *args, **kwargs)
     except sg.KVTransferError as exc:
@@ -156,6 +187,6 @@ __all__ = [
     "prepare_prefill_transfer", "check_transfer_matches_pool", "filter_owned_pages", "enqueue_owned_chunk",
     "write_in_bounded_batches", "send_owned_state_pages", "send_aux_unless_failed",
     "fail_aborted_room_on_decode", "fail_unsent_room_on_release", "fail_late_registration_of_aborted_room",
-    "report_failure_cause_to_decode",
+    "report_failure_cause_to_decode", "drain_markers_reach_the_worker", "drain_room_failed_by_the_group",
     "accept_failure_cause", "failure_exception_with_cause",
 ]

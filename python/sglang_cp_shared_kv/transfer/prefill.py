@@ -72,6 +72,8 @@ class PrefillShardTransfer(ChunkAdmission, ShardWrites, RoomFailureNotices):
         # rest are told on registration. The lock makes "read the targets, keep the room"
         # one step against the bootstrap thread's "registered: pop the room".
         self._aborted_unregistered = BoundedRooms()
+        self._drained_rooms = BoundedRooms()  # room -> True: its drain markers are out
+        self._room_endpoints = BoundedRooms()  # room -> its decode endpoints, for its drain
         self._registration_lock = threading.Lock()
         logger.info(
             "CP shared KV transfer: cp_rank=%d/%d sends only the pages it owns (MLA KV by request "

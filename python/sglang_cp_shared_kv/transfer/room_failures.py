@@ -12,7 +12,14 @@ import threading
 from typing import Iterable, Optional, Tuple
 
 from sglang_cp_shared_kv import sglang_api as sg
-from sglang_cp_shared_kv.transfer.failure_cause import BoundedRooms, encode_failed_status, encode_failure_cause
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.transfer.failure_cause import (
+    BoundedRooms,
+    encode_drained_notice,
+    encode_failed_status,
+    encode_failure_cause,
+)
+from sglang_cp_shared_kv.transfer.room_drain import decode_endpoints, put_drain_markers
 from sglang_cp_shared_kv.transfer.rooms import (
     AbortNotices,
     WriteFailureHandOff,
@@ -21,6 +28,7 @@ from sglang_cp_shared_kv.transfer.rooms import (
     registration_complete,
     room_targets,
     send_failure_cause,
+    send_status_frames,
 )
 from sglang_cp_shared_kv.transfer.stats import RankCounters, TransferStats
 
@@ -38,6 +46,8 @@ class RoomFailureNotices:
     _rejected: BoundedRooms  # room -> why this rank failed it
     _abort_notices: AbortNotices
     _aborted_unregistered: BoundedRooms  # room -> (cause, session ids told)
+    _drained_rooms: BoundedRooms  # room -> True: drain markers out (:meth:`drain_failed_room`)
+    _room_endpoints: BoundedRooms  # room -> its decode endpoints (:meth:`remember_decode_endpoints`)
     _registration_lock: threading.Lock
 
     def fail_unsent_room(self, kv_mgr, room, why: str, *, record: bool = True) -> bool:
@@ -71,10 +81,42 @@ class RoomFailureNotices:
             complete = registration_complete(targets)
             if not complete:
                 self._aborted_unregistered.put(room, (message, told))
+        self.drain_failed_room(kv_mgr, room, targets)
         if not complete:
             logger.info("CP shared KV transfer: %s; %d decode target(s) told, the rest when they register",
                         message, len(told))
         return True
+
+    def drain_failed_room(self, kv_mgr, room, targets) -> None:
+        """This rank gave ``room`` up as failed (an abort, or SGLang's ``failure_exception`` once
+        the group agreed on Failed), and ``targets`` (its ``TransferInfo``) are the decode ranks it may
+        have written to: tell each once every chunk of the room this rank enqueued was written
+        or skipped (:mod:`.room_drain`), so decode can free the room's pages. Once per room.
+        Not on a release whose decode drains the room itself (0.5.23: ABORT and its
+        acknowledgement), where no worker would know the marker."""
+        if installed.INSTALLED.deferred_decode_release or self._drained_rooms.get(room):
+            return
+        endpoints = decode_endpoints(targets) or self._room_endpoints.pop(room) or ()
+        if not endpoints:
+            return
+        self._drained_rooms.put(room, True)
+        frames = encode_drained_notice(kv_mgr.AUX_DATA_HEADER, room, prefill_unique_rank(kv_mgr))
+
+        def tell_decode_drained() -> None:  # (on the transfer worker that took the last marker)
+            for remote, dst_port in endpoints:
+                send_status_frames(kv_mgr, remote, dst_port, frames, f"the drained notice of room {room}")
+            logger.debug("CP shared KV transfer: %s: room %s drained; %d decode target(s) told",
+                         self.who, room, len(endpoints))
+
+        put_drain_markers(kv_mgr.transfer_queues, room, tell_decode_drained)
+
+    def remember_decode_endpoints(self, kv_mgr, room) -> None:
+        """Keep ``room``'s decode endpoints for its drain (bounded; the first chunk's): SGLang's
+        transfer worker drops a room's targets once this rank has sent all of it, and the
+        group may agree on Failed after that (another rank failed), when this rank's Success
+        may have reached a decode that had already given the room up, and been ignored."""
+        if not installed.INSTALLED.deferred_decode_release and self._room_endpoints.get(room) is None:
+            self._room_endpoints.put(room, decode_endpoints(room_targets(kv_mgr, room)))
 
     def tell_late_registration(self, kv_mgr, room, status) -> None:
         """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
@@ -88,19 +130,23 @@ class RoomFailureNotices:
             message, told = pending
             targets = room_targets(kv_mgr, room)
             mark_failed(targets, message)
+            # (registered after the abort, so never written to: drained already)
             self._tell_decode(kv_mgr, room, message,
-                              tuple(info for info in targets if info.mooncake_session_id not in told))
+                              tuple(info for info in targets if info.mooncake_session_id not in told),
+                              drained=not installed.INSTALLED.deferred_decode_release)
 
-    def _tell_decode(self, kv_mgr, room, message: str, targets) -> frozenset:
-        """The cause and SGLang's Failed status to each of ``targets`` (dummies skipped);
-        the session ids told."""
+    def _tell_decode(self, kv_mgr, room, message: str, targets, *, drained: bool = False) -> frozenset:
+        """The cause and SGLang's Failed status to each of ``targets`` (dummies skipped), and
+        with ``drained`` the drained notice; the session ids told."""
         targets = [info for info in targets if not info.is_dummy]
         if not targets:
             return frozenset()
-        status_frames = encode_failed_status(room, prefill_unique_rank(kv_mgr))
+        rank = prefill_unique_rank(kv_mgr)
+        messages = [encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), encode_failed_status(room, rank)]
+        if drained:
+            messages.append(encode_drained_notice(kv_mgr.AUX_DATA_HEADER, room, rank))
         for info in targets:
-            self._abort_notices.send(info.endpoint, info.dst_port, [
-                encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, message), status_frames])
+            self._abort_notices.send(info.endpoint, info.dst_port, messages)
         logger.info("CP shared KV transfer: %s; decode told it failed (%d target(s))", message, len(targets))
         return frozenset(info.mooncake_session_id for info in targets)
 

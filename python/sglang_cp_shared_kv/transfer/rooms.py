@@ -152,19 +152,27 @@ class AbortNotices:
 
 def send_failure_cause(kv_mgr, remote, dst_port, room, text: str) -> None:
     """The cause message (:mod:`.failure_cause`) to decode's status endpoint."""
-    frames = encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, text)
+    # the Failed status still goes out if this fails; only the detail is lost
+    send_status_frames(kv_mgr, remote, dst_port, encode_failure_cause(kv_mgr.AUX_DATA_HEADER, room, text),
+                       f"the failure cause of room {room}")
+
+
+def send_status_frames(kv_mgr, remote, dst_port, frames: List[bytes], what: str) -> bool:
+    """``frames`` to decode's status endpoint on the caller's thread, on the same cached socket
+    as SGLang's status message and the way SGLang sends on it; False (and a WARNING naming
+    ``what``) when the send raised."""
     address = sg.NetworkAddress(remote, dst_port)
     endpoint = address.to_tcp()
     try:
-        # The same cached socket as SGLang's status message, sent the way SGLang sends on it.
         if installed.INSTALLED.status_sends_locked:
             kv_mgr._send_multipart_locked(endpoint, frames, is_ipv6=address.is_ipv6)
         else:
             kv_mgr._connect(endpoint, is_ipv6=address.is_ipv6).send_multipart(frames)
-    except Exception as exc:  # the Failed status still goes out; only the detail is lost
-        logger.warning("CP shared KV transfer: could not send the failure cause of room %s to %s:%s: %s",
-                       room, remote, dst_port, exc)
+    except Exception as exc:
+        logger.warning("CP shared KV transfer: could not send %s to %s:%s: %s", what, remote, dst_port, exc)
+        return False
+    return True
 
 
 __all__ = ["FAILED_ATTR", "room_targets", "registration_complete", "mark_failed", "WriteFailureHandOff",
-           "prefill_unique_rank", "AbortNotices", "send_failure_cause", "concludes_failed", "failure_recorded"]
+           "prefill_unique_rank", "AbortNotices", "send_failure_cause", "send_status_frames", "concludes_failed", "failure_recorded"]

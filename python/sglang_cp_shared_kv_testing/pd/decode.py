@@ -8,7 +8,13 @@ or scattered), sending the metadata with ``MooncakeKVReceiver``, polling to
 Success/Failed, verifying every received byte (and the aux metadata) against the room's
 deterministic content, or against the pages a file holds (``room["expected_file"]``: what
 a replicated prefill's pool holds for the room), and the final check that no page outside
-a room was written.
+a room was written. Decode runs with the plugin's flag, as a shared-KV deployment's does.
+
+A failed room's pages are quarantined (never reused: a straggler may still write there),
+except a room with ``room["drain"]`` (SGLang 0.5.12.post1): there decode waits, as the
+flag's decode does, until every prefill sender of the room said it is done
+(:class:`sglang_cp_shared_kv.transfer.decode.RoomDrains`), then resets the pages and reuses
+them; a write landing after that shows as a later room's wrong bytes or a stray write.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ from sglang_cp_shared_kv_testing.pd.sglang_side import (
 )
 
 
+#: NOTE: how long decode waits for a failed room's drained notices: far above a rank's queued
+#: writes here (milliseconds; the slow-write room's delay is 1.5 s), far below the run's deadline
+DRAIN_WAIT_S = 20.0
+
+
 class DecodeSide:
     """The decode process: one pool, one manager, the rooms received one after another."""
 
@@ -52,9 +63,11 @@ class DecodeSide:
         self.quarantined: List[int] = []
         self.metadata = metadata_buffers(8)
         self.req_to_token = torch.zeros((1, plan["max_seq_len"]), dtype=torch.int32)
+        args = server_args(0, True, geometry.dtype)
+        args.disaggregation_mode = "decode"  # (the flag on a decode server: guards_decode)
         with attention_identity(0, 1):
             self.kv_mgr = MooncakeKVManager(kv_args(self.pool, self.metadata), DisaggregationMode.DECODE,
-                                            server_args(0, False, geometry.dtype), is_mla_backend=True)
+                                            args, is_mla_backend=True)
 
     def connect(self, bootstrap_port: int) -> None:
         address = f"127.0.0.1:{bootstrap_port}"
@@ -118,10 +131,15 @@ class DecodeSide:
         result: Dict[str, Any] = {"status": "success" if status == KVPoll.Success else "failed",
                                   "elapsed_s": time.monotonic() - started}
         if status == KVPoll.Failed:
+            result["failed_at"] = time.time()  # (wall clock, comparable with the prefill's)
             try:
                 receiver.failure_exception()
             except Exception as exc:
                 result["error"] = str(exc)
+            if room.get("drain"):
+                result["drained"] = self._reuse_once_drained(room["room"], pages)
+                if result["drained"]["complete"]:
+                    return result
             self.quarantined.extend(pages)  # a straggler may still write there
             return result
         receiver.clear()
@@ -133,6 +151,32 @@ class DecodeSide:
             index_pages(self.pool, layer)[pages_t] = SENTINEL
         self.free_pages = sorted(self.free_pages + pages)  # "contiguous" rooms take the lowest run
         return result
+
+    def _reuse_once_drained(self, room: int, pages: List[int]) -> Dict[str, Any]:
+        """Wait until every prefill sender of failed ``room`` is done with it (Success before the
+        failure, or a drained notice), then reset its pages and give them back; the outcome."""
+        import torch
+
+        from sglang_cp_shared_kv.transfer.decode import room_drains
+
+        drains = room_drains(self.kv_mgr)
+        failure = drains.failure(room) if drains is not None else None
+        if failure is None or failure.expected is None:
+            return {"complete": False, "why": "no record of the failed room (flag off, or 0.5.23)"}
+        try:
+            wait_for(lambda: len(drains.heard(room)) >= failure.expected, DRAIN_WAIT_S,
+                     f"every prefill sender of room {room} to drain", interval=0.01)
+        except TimeoutError:
+            return {"complete": False, "ranks": sorted(drains.heard(room)), "expected": failure.expected}
+        outcome = {"complete": True, "ranks": sorted(drains.heard(room)), "expected": failure.expected,
+                   "released_at": time.time()}
+        pages_t = torch.tensor(pages, dtype=torch.int64)
+        for layer in range(self.geometry.layers):
+            kv_pages(self.pool, layer)[pages_t] = SENTINEL
+            index_pages(self.pool, layer)[pages_t] = SENTINEL
+        self.free_pages = sorted(self.free_pages + pages)
+        drains.forget(room)
+        return outcome
 
     def _verify(self, room, pages_t, prefix) -> Dict[str, Any]:
         g = self.geometry

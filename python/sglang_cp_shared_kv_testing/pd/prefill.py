@@ -10,7 +10,11 @@ SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 this process mid-transfer, sending what stock SGLang sends for a prompt its prefill
 refused (``room["prefill_refused"]``) or aborting the request after bootstrap
 (``room["prefill_aborts"]``; ``"before_registration"``: before decode registered it) when
-the plan asks.
+the plan asks. With ``room["agree"]`` the instance's ranks agree on the room's status before
+concluding it, as SGLang's prefill group does (the MIN of their polls, here through files in
+the plan's workdir): every rank of a room that failed anywhere calls ``failure_exception``.
+``room["slow_write"]`` (``{"proc", "delay_s"}``) holds that process's first write of the room
+back by ``delay_s`` (a slow rank), and reports when it landed.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import os
 import signal
 import time
 from types import SimpleNamespace
-from typing import Any, Dict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Dict, Iterator, Optional
 
 import numpy as np
 
@@ -40,8 +46,9 @@ class PrefillInstance:
     """Rank ``cp_rank`` of one prefill instance in this process."""
 
     def __init__(self, name: str, spec: Dict[str, Any], cp_rank: int, geometry: Geometry, max_seq_len: int,
-                 pool=None):
-        """``pool``: send from this pool (e.g. one a CP forward filled) instead of a new one."""
+                 pool=None, workdir: Optional[str] = None):
+        """``pool``: send from this pool (e.g. one a CP forward filled) instead of a new one;
+        ``workdir``: where the instance's ranks agree on a room's status (``room["agree"]``)."""
         import torch
         from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
         from sglang.srt.disaggregation.utils import DisaggregationMode
@@ -52,6 +59,7 @@ class PrefillInstance:
         from sglang_cp_shared_kv.transfer.pages import MAX_DESCRIPTORS_ENV
 
         self.name, self.spec, self.cp_rank, self.geometry = name, spec, cp_rank, geometry
+        self.workdir = workdir
         self.cp_size, self.shared = spec["cp_size"], spec["shared"]
         self.layout = CpSharedKVLayout(PAGE_SIZE, self.cp_size, cp_rank)
         self.release = release()
@@ -151,7 +159,7 @@ class PrefillInstance:
                             f"room {room['room']} to leave Bootstrapping")
         started = time.monotonic()
         wait_s = started - t0 - fill_s
-        first_send = None
+        first_send, slow = None, {}
         if status == KVPoll.WaitingForInput:
             # What PrefillBootstrapQueue.pop_bootstrapped does once decode is ready.
             self.release.bootstrapped(req, sender.pop_decode_prefix_len())
@@ -165,19 +173,26 @@ class PrefillInstance:
                 # queue: MooncakeKVSender.abort(); no chunk is sent.
                 sender.abort()
                 ends = []
-            for number, end in enumerate(ends, 1):
-                last = number == len(ends)
-                self.release.send_kv_chunk(self, req, last, None if last else end)
-                if kill.get("proc") == my_proc and number == kill["after_chunks"]:
-                    self._die_after_writes(before)
-            status = poll_until(sender.poll, (KVPoll.Success, KVPoll.Failed), 100,
-                                f"room {room['room']} to conclude", interval=0.001)
+            with self._slow_first_write(room, my_proc) as slow:
+                for number, end in enumerate(ends, 1):
+                    last = number == len(ends)
+                    self.release.send_kv_chunk(self, req, last, None if last else end)
+                    if kill.get("proc") == my_proc and number == kill["after_chunks"]:
+                        self._die_after_writes(before)
+                status = poll_until(sender.poll, (KVPoll.Success, KVPoll.Failed), 100,
+                                    f"room {room['room']} to conclude", interval=0.001)
         concluded = time.time()
         elapsed = time.monotonic() - started
         result = {"status": "success" if status == KVPoll.Success else "failed", "elapsed_s": elapsed,
                   "fill_s": fill_s, "wait_s": wait_s}
+        if slow.get("landed_at"):
+            result["slow_write_landed_at"] = slow["landed_at"]  # wall clock
         if status == KVPoll.Success and first_send is not None:
             result["send_window"] = [first_send, concluded]  # wall clock, comparable across processes
+        if room.get("agree"):
+            agreed = self._agree(room, status)
+            result["agreed"] = "success" if agreed == KVPoll.Success else "failed"
+            status = agreed
         if status == KVPoll.Failed:
             try:
                 sender.failure_exception()
@@ -190,6 +205,50 @@ class PrefillInstance:
             result["stats"] = {k: after[k] - before[k] for k in after if k != "recent_chunks"}
             result["chunks"] = [c for c in after["recent_chunks"] if c["room"] == room["room"]]
         return result
+
+    def _agree(self, room: Dict[str, Any], status):
+        """The MIN of every rank's status for ``room`` (SGLang's prefill poll is MIN-all-reduced
+        over the group): each rank writes its own, then reads all of them."""
+        if self.workdir is None:
+            raise RuntimeError(f"room {room['room']} asks the ranks to agree, and this instance has no workdir")
+        folder = Path(self.workdir, f"agree-{room['room']}")
+        folder.mkdir(exist_ok=True)
+        mine = folder / f"rank{self.cp_rank}"
+        mine.with_suffix(".tmp").write_text(str(int(status)))
+        os.replace(mine.with_suffix(".tmp"), mine)
+        paths = [folder / f"rank{rank}" for rank in range(self.cp_size)]
+        wait_for(lambda: all(p.exists() for p in paths), 60, f"every rank's status for room {room['room']}",
+                 interval=0.01)
+        return min(int(p.read_text()) for p in paths)  # (KVPoll's values are plain ints)
+
+    @contextmanager
+    def _slow_first_write(self, room: Dict[str, Any], my_proc: str) -> Iterator[Dict[str, float]]:
+        """Within the block, this rank's first write of ``room`` waits ``room["slow_write"]["delay_s"]``
+        when the plan names this process; the dict gets ``landed_at`` (wall clock) once it is done."""
+        slow = room.get("slow_write") or {}
+        landed: Dict[str, float] = {}
+        if slow.get("proc") != my_proc:
+            yield landed
+            return
+        from sglang_cp_shared_kv.transfer.prefill import prefill_transfer
+
+        context = prefill_transfer(self.kv_mgr)
+        write = context.write
+
+        def slow_write(*args, **kwargs):
+            if landed:
+                return write(*args, **kwargs)
+            time.sleep(slow["delay_s"])
+            try:
+                return write(*args, **kwargs)
+            finally:
+                landed["landed_at"] = time.time()
+
+        context.write = slow_write  # (the transfer hook calls the context's write: this one, for now)
+        try:
+            yield landed
+        finally:
+            del context.write
 
     def _die_after_writes(self, before) -> None:
         from sglang_cp_shared_kv.transfer.prefill import transfer_stats

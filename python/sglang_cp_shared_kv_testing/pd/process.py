@@ -72,7 +72,7 @@ def _serve(plan: Dict[str, Any], proc: str) -> Dict[str, Any]:
     mine = {name: s["procs"].index(proc) for name, s in instances.items() if proc in s["procs"]}
     servers = [MooncakeKVBootstrapServer(host="127.0.0.1", port=instances[name]["bootstrap_port"])
                for name, rank in mine.items() if rank == 0]
-    hosted = {name: PrefillInstance(name, instances[name], rank, geometry, plan["max_seq_len"])
+    hosted = {name: PrefillInstance(name, instances[name], rank, geometry, plan["max_seq_len"], workdir=plan["workdir"])
               for name, rank in mine.items()}
     for room in plan["rooms"]:
         instance = hosted.get(room["instance"])
