@@ -158,6 +158,8 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
         # behind its chunks, met by the transfer workers)
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.transfer_worker", transfer.drain_markers_reach_the_worker, "around"),
         HookSpec(f"{_MOONCAKE}.MooncakeKVSender.failure_exception", transfer.drain_room_failed_by_the_group, "around"),
+        # (decode: a rank's Success for a room decode already gave up counts as its drain)
+        HookSpec(f"{_MOONCAKE}.MooncakeKVManager.start_decode_thread", transfer.watch_late_successes, "around"),
         # --- the decode server (flag on there too): refuse at once a request it can never hold
         HookSpec(f"{_DECODE_QUEUE}.__init__", decode_server.check_decode_server, "after"),
         HookSpec(f"{_DECODE_QUEUE}._check_if_req_exceed_kv_capacity", decode_server.refuse_what_decode_can_never_hold,

@@ -169,6 +169,51 @@ def test_a_drained_notice_before_decode_saw_the_failure_counts(one_rank_group):
     assert queue.tree_cache.released == [("failed", False)]  # ... in the same loop
 
 
+class Socket:
+    """Decode's receiving socket: hands out the messages put on it, in order."""
+
+    def __init__(self, *messages):
+        self.messages = list(messages)
+
+    def recv_multipart(self):
+        return self.messages.pop(0)
+
+
+def status(room: int, poll, prefill_rank: int):
+    """SGLang's status message (``sync_status_to_decode_endpoint``'s three frames)."""
+    return [str(room).encode("ascii"), str(int(poll)).encode("ascii"), str(prefill_rank).encode("ascii")]
+
+
+def test_a_success_for_a_room_decode_gave_up_counts_as_that_ranks_drain(one_rank_group):
+    """A rank that sent all of a room before its group agreed on Failed, or whose decode failed
+    the room alone (an abort on decode), sends a Success that SGLang ignores for a cleared
+    room: the receiver thread's socket, watched from its start, counts it."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+
+    queue, scheduler, allocator, _ = transfer_queue(one_rank_group)
+    mgr = decode_manager()
+    started = []
+    mgr.server_socket = Socket(status(FAILED_ROOM, KVPoll.Success, 1), status(OTHER_ROOM, KVPoll.Success, 0))
+    transfer.watch_late_successes(lambda m: started.append(m), mgr)  # (SGLang's start_decode_thread)
+    assert started == [mgr] and type(mgr.server_socket).__name__ == "StatusObserver"
+    enqueue(queue, allocator, receiver(mgr, FAILED_ROOM, KVPoll.Failed, expected=2, succeeded={0}), "failed")
+    receiver(mgr, OTHER_ROOM, KVPoll.Transferring, expected=1)  # (tracked: its Success is SGLang's)
+    queue.pop_transferred()
+    release_round(scheduler)
+    assert queue.tree_cache.released == []
+    assert mgr.server_socket.recv_multipart() == status(FAILED_ROOM, KVPoll.Success, 1)  # SGLang reads it, as ever
+    assert mgr.server_socket.recv_multipart() == status(OTHER_ROOM, KVPoll.Success, 0)
+    assert room_drains(mgr).heard(OTHER_ROOM) == frozenset()
+    release_round(scheduler)
+    assert queue.tree_cache.released == [("failed", False)]
+    flag_off = decode_manager(flag=False)
+    flag_off.server_socket = socket = Socket()
+    transfer.watch_late_successes(lambda m: None, flag_off)
+    assert flag_off.server_socket is socket
+
+
 def test_a_silent_prefill_rank_releases_at_the_timeout_with_a_warning(one_rank_group, monkeypatch, caplog):
     from prometheus_client import REGISTRY
     from sglang.srt.disaggregation.base.conn import KVPoll

@@ -131,6 +131,7 @@ def test_plugin_table_has_every_transfer_hook():
         "MooncakeKVManager.update_status": "around",
         "MooncakeKVManager.transfer_worker": "around",
         "MooncakeKVSender.failure_exception": "around",
+        "MooncakeKVManager.start_decode_thread": "around",
     }
 
 

@@ -15,9 +15,9 @@ its memory waits.
   and the metadata slots it freed, deferred (:meth:`FailedRoomHolds.defer`,
   :class:`SlotsHeldBack`), and released once ready;
 * the release is agreed: decode's attention-TP ranks allocate in lockstep, so every rank
-  releases a hold in the same ``pop_transferred`` (a MIN all-reduce of the ready flags over
-  SGLang's gloo group, every call while a hold is out: the holds are armed by SGLang's agreed
-  Failed poll, so every rank holds the same rooms in the same order);
+  releases a hold in the same scheduler loop (a MIN all-reduce of the ready flags over
+  SGLang's gloo group after each ``process_decode_queue`` while a hold is out: the holds are
+  armed by SGLang's agreed Failed poll, so every rank holds the same rooms in the same order);
 * while a hold is out the scheduler is not fully idle (SGLang's idle memory check would count
   the held pages as leaked, and a flush would reset the allocator under a late write).
 

@@ -81,6 +81,50 @@ def room_drains(kv_mgr) -> Optional[RoomDrains]:
         return kv_mgr.__dict__.setdefault(_ROOM_DRAINS_ATTR, RoomDrains())
 
 
+def note_late_success(kv_mgr, msg) -> None:
+    """Every message decode's receiver thread takes (before SGLang reads it): a prefill rank's
+    Success status for a room decode already gave up counts as that rank being done with it.
+
+    NOTE: SGLang ignores a status for a room it cleared, and a rank that sent all of a room
+    before its group agreed on Failed (or whose decode failed the room alone: an abort on
+    decode, its waiting timeout) sends no drained notice, only that Success. Kept only for a
+    room SGLang no longer tracks or that failed here; a Success for a room still tracked is
+    SGLang's own (the failed room's snapshot reads it), so the one miss is a Success arriving
+    between this check and SGLang's: the hold then ends at its bound."""
+    # (SGLang's status message: room, the KVPoll value and the sender id, each in ascii)
+    if len(msg) != 3 or msg[1] != str(int(sg.KVPoll.Success)).encode("ascii"):
+        return
+    drains = kv_mgr.__dict__.get(_ROOM_DRAINS_ATTR)
+    if drains is None:
+        return
+    try:
+        room, prefill_rank = int(msg[0].decode("ascii")), int(msg[2].decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return
+    if room not in kv_mgr.request_status or drains.failure(room) is not None:
+        drains.drained(room, prefill_rank)
+
+
+class StatusObserver:
+    """Decode's receiving socket as its receiver thread sees it: each message goes to
+    ``observe`` first (never raising into SGLang's thread); everything else is the socket's."""
+
+    def __init__(self, sock, observe):
+        self._sock = sock
+        self._observe = observe
+
+    def recv_multipart(self, *args, **kwargs):
+        msg = self._sock.recv_multipart(*args, **kwargs)
+        try:
+            self._observe(msg)
+        except Exception:  # NOTE: SGLang's receiver thread would die with it
+            logger.exception("CP shared KV transfer: could not read a status message")
+        return msg
+
+    def __getattr__(self, name):
+        return getattr(self._sock, name)
+
+
 def keep_drained_notice(kv_mgr, msg) -> bool:
     """Whether ``msg`` (an ``AUX_DATA`` message) is a drained notice, which is then kept for
     its room where the plugin holds failed rooms (:func:`room_drains`). False: not one."""
@@ -137,5 +181,5 @@ def with_cause(kv_mgr, exc):
     return sg.KVTransferError(exc.bootstrap_room, f"{exc.failure_reason}; cause: {cause}")
 
 
-__all__ = ["FailedRoom", "RoomDrains", "keep_drained_notice", "keep_failure_cause", "note_failed_room", "room_drains",
-           "with_cause"]
+__all__ = ["FailedRoom", "RoomDrains", "StatusObserver", "keep_drained_notice", "keep_failure_cause", "note_failed_room",
+           "note_late_success", "room_drains", "with_cause"]

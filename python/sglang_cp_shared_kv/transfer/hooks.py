@@ -15,7 +15,15 @@ from __future__ import annotations
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import FLAG, shares_kv
 from sglang_cp_shared_kv.pool.kv_pool_base import CpSharedPoolMixin
-from sglang_cp_shared_kv.transfer.decode import keep_drained_notice, keep_failure_cause, note_failed_room, with_cause
+from sglang_cp_shared_kv.transfer.decode import (
+    StatusObserver,
+    keep_drained_notice,
+    keep_failure_cause,
+    note_failed_room,
+    note_late_success,
+    room_drains,
+    with_cause,
+)
 from sglang_cp_shared_kv.transfer.pages import CpSharedKVTransferError
 from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, prefill_transfer
 from sglang_cp_shared_kv.transfer.room_drain import DrainingQueue
@@ -170,6 +178,16 @@ def accept_failure_cause(original, kv_mgr, msg, *args, **kwargs):
     return original(kv_mgr, msg, *args, **kwargs)
 
 
+def watch_late_successes(original, kv_mgr, *args, **kwargs):
+    """AROUND ``MooncakeKVManager.start_decode_thread`` (0.5.12.post1, a decode manager, at its
+    start): where the plugin holds failed rooms (:func:`.decode.room_drains`), the receiver
+    thread reads its socket through :class:`.decode.StatusObserver`, so a prefill rank's
+    Success for a room decode gave up still counts (:func:`.decode.note_late_success`)."""
+    if room_drains(kv_mgr) is not None:
+        kv_mgr.server_socket = StatusObserver(kv_mgr.server_socket, lambda msg: note_late_success(kv_mgr, msg))
+    return original(kv_mgr, *args, **kwargs)
+
+
 def failure_exception_with_cause(original, receiver, *args, **kwargs):
     """AROUND ``MooncakeKVReceiver.failure_exception`` (decode): name the prefill's cause;
     first note what the failed room waits for, before SGLang clears it (:func:`.decode.note_failed_room`)."""
@@ -188,5 +206,5 @@ __all__ = [
     "write_in_bounded_batches", "send_owned_state_pages", "send_aux_unless_failed",
     "fail_aborted_room_on_decode", "fail_unsent_room_on_release", "fail_late_registration_of_aborted_room",
     "report_failure_cause_to_decode", "drain_markers_reach_the_worker", "drain_room_failed_by_the_group",
-    "accept_failure_cause", "failure_exception_with_cause",
+    "accept_failure_cause", "failure_exception_with_cause", "watch_late_successes",
 ]
