@@ -61,6 +61,19 @@ def all_cp_ranks_env(monkeypatch):
     monkeypatch.delenv("SGLANG_DISAGG_STAGING_BUFFER", raising=False)
 
 
+@pytest.fixture(scope="module")
+def gloo_world_of_one():
+    """A one-process gloo group (torch's default one, made here if nothing has made it; never
+    torn down, since SGLang's world, made later, reuses it): a stand-in for the attention-CP
+    group's or the decode queue's attention-TP CPU side, whose collectives are then trivial."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    return SimpleNamespace(cpu_group=dist.group.WORLD, ranks=[0])
+
+
 @pytest.fixture(scope="session")
 def sglang_world_of_one():
     """SGLang's model-parallel state for one process over gloo (TP = attention TP = 1),

@@ -4,7 +4,6 @@ the hooks of ``capacity_dsa`` against what stock 0.5.23 builds for the same rank
 only where sglang 0.5.23 is installed (``.venv-0.5.23``)."""
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 
@@ -21,23 +20,11 @@ from sglang_cp_shared_kv.settings.config import FLAG  # noqa: E402
 from sglang_cp_shared_kv.pool.kv_pool_v0523 import CpSharedDSATokenToKVPool  # noqa: E402
 from sglang_cp_shared_kv.settings.server_args import CpSharedKVConfigError  # noqa: E402
 from sglang_cp_shared_kv_testing.cpu_kv_configurator import CpuDsaRank, interleave_prefill_server_args  # noqa: E402
-from sglang_cp_shared_kv_testing.support import free_port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("plugin_loaded", "pretend_hopper", "all_cp_ranks_env")
 
 BUDGET = 64 << 20  # bytes of "free GPU memory" each rank profiles
 PAGE = 64
-
-
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    """A one-process gloo group standing in for the attention-CP group's CPU side: the rank
-    settings check (prefetch, debug) is a collective over it."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return SimpleNamespace(cpu_group=dist.group.WORLD, ranks=[0])
 
 
 class Rank(CpuDsaRank):

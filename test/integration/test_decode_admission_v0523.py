@@ -48,17 +48,6 @@ RESERVED = DEFAULT_RESERVED_DECODE_TOKENS  # 0.5.23's --num-reserved-decode-toke
 UNEVEN_RESERVED = 500
 
 
-@pytest.fixture(scope="module")
-def gloo_world_of_one():
-    """A one-process gloo group: the decode queue's attention-TP group (it all-reduces the
-    receivers' polls over it; one rank: unchanged)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    return SimpleNamespace(cpu_group=dist.group.WORLD)
-
-
 def decode_server_args(model, *extra, flag=True):
     """The resolved ``ServerArgs`` of a one-GPU PD decode server of a DSA model."""
     from sglang.srt.server_args import prepare_server_args

@@ -4,17 +4,9 @@ there is gone at once, not ``client_ttl`` seconds later. The rigs close every ca
 one agreed point on this (its docstring: SGLang's store warmup lost its key to a client left to
 expire, CI of c3e0bc6)."""
 
-import pytest
 
 from sglang_cp_shared_kv_testing.mooncake_master import close_store_clients, mooncake_master
 from sglang_cp_shared_kv_testing.support import mooncake_engine_or_skip
-
-
-@pytest.fixture
-def one_rank_group(sglang_world_of_one):
-    from sglang.srt.distributed import parallel_state as ps
-
-    return ps.get_tp_group().cpu_group  # (a gloo group of this process alone)
 
 
 def _client(extra: dict, segment_bytes: int):
@@ -27,7 +19,7 @@ def _client(extra: dict, segment_bytes: int):
     return store
 
 
-def test_closing_a_client_drops_at_once_what_others_put_on_its_segment(one_rank_group):
+def test_closing_a_client_drops_at_once_what_others_put_on_its_segment(gloo_world_of_one):
     mooncake_engine_or_skip()
     with mooncake_master() as master:
         extra = master.extra_config()
@@ -36,6 +28,6 @@ def test_closing_a_client_drops_at_once_what_others_put_on_its_segment(one_rank_
         keys = [f"object-{i}" for i in range(4)]
         assert [writer.put(key, bytes(4096)) for key in keys] == [0] * 4
         assert [writer.is_exist(key) for key in keys] == [1] * 4
-        close_store_clients([holder], one_rank_group)
+        close_store_clients([holder], gloo_world_of_one.cpu_group)
         assert [writer.is_exist(key) for key in keys] == [0] * 4
         writer.close()
