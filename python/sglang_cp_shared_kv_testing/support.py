@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -92,10 +93,31 @@ def load_script(name: str):
     return module
 
 
+#: NOTE: where the rigs' listening ports come from: below Linux's ephemeral range (32768-60999 by
+#: default), where the kernel gives any process's outgoing connection a port, and above Mooncake's
+#: own (its TCP transport and RPC listen in 12000-17000) and the GPU scripts' defaults (22000-27999).
+#: A port the kernel handed out (bind to 0) is in the ephemeral range: the CI of bd53885 lost a PD
+#: rig's bootstrap server that way ("address already in use" on a port another connection took
+#: between the pick and the bind; every rank then timed out registering).
+FREE_PORTS = range(28000, 32768)
+_handed_out: set = set()
+_picker = random.SystemRandom()  # (not the global generator, which tests seed)
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of :data:`FREE_PORTS` nothing listens on now, not handed out before in this process."""
+    for _ in range(200):
+        port = _picker.choice(FREE_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} after 200 tries")
 
 
 def supervise(procs, *, timeout_s: float, grace_s: float = 0.0, on_tick=None, what: str = "rank") -> Optional[str]:
