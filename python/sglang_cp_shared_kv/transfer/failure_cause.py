@@ -26,10 +26,24 @@ MAX_CAUSE_BYTES = 4000
 MAX_TRACKED_ROOMS = 4096
 
 
+def _encode(aux_data_header: bytes, room: int, payload: bytes) -> List[bytes]:
+    """An ``AUX_DATA`` message of the plugin's for ``room`` (module docstring: its frames)."""
+    return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD, payload]
+
+
+def _parse(msg: Sequence[bytes], prefix: bytes) -> Optional[Tuple[int, bytes]]:
+    """``(room, payload after prefix)`` of a plugin message starting with ``prefix``; None otherwise."""
+    if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(prefix):
+        return None
+    try:
+        return int(msg[1].decode("ascii")), msg[5][len(prefix):]
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
 def encode_failure_cause(aux_data_header: bytes, room: int, text: str) -> List[bytes]:
     """The frames of the cause message for ``room`` (text cut to ``MAX_CAUSE_BYTES``)."""
-    payload = CAUSE_PREFIX + text.encode("utf-8", "replace")[:MAX_CAUSE_BYTES]
-    return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD, payload]
+    return _encode(aux_data_header, room, CAUSE_PREFIX + text.encode("utf-8", "replace")[:MAX_CAUSE_BYTES])
 
 
 def encode_failed_status(room: int, prefill_rank: int) -> List[bytes]:
@@ -41,28 +55,23 @@ def encode_failed_status(room: int, prefill_rank: int) -> List[bytes]:
 
 def parse_failure_cause(msg: Sequence[bytes]) -> Optional[Tuple[int, str]]:
     """``(room, text)`` of a cause message; None for any other ``AUX_DATA`` message."""
-    if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(CAUSE_PREFIX):
-        return None
-    try:
-        room = int(msg[1].decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        return None
-    return room, msg[5][len(CAUSE_PREFIX):].decode("utf-8", "replace")
+    parsed = _parse(msg, CAUSE_PREFIX)
+    return None if parsed is None else (parsed[0], parsed[1].decode("utf-8", "replace"))
 
 
 def encode_drained_notice(aux_data_header: bytes, room: int, prefill_rank: int) -> List[bytes]:
     """The frames telling decode that ``prefill_rank`` (SGLang's sender id, the one its
     status message carries) has written or skipped every chunk of the failed ``room``."""
-    return [aux_data_header, str(room).encode("ascii"), b"0", b"0", CAUSE_LENGTH_FIELD,
-            DRAINED_PREFIX + str(prefill_rank).encode("ascii")]
+    return _encode(aux_data_header, room, DRAINED_PREFIX + str(prefill_rank).encode("ascii"))
 
 
 def parse_drained_notice(msg: Sequence[bytes]) -> Optional[Tuple[int, int]]:
     """``(room, prefill_rank)`` of a drained notice; None for any other message."""
-    if len(msg) != 6 or msg[4] != CAUSE_LENGTH_FIELD or not msg[5].startswith(DRAINED_PREFIX):
+    parsed = _parse(msg, DRAINED_PREFIX)
+    if parsed is None:
         return None
     try:
-        return int(msg[1].decode("ascii")), int(msg[5][len(DRAINED_PREFIX):].decode("ascii"))
+        return parsed[0], int(parsed[1].decode("ascii"))
     except (UnicodeDecodeError, ValueError):
         return None
 

@@ -146,11 +146,15 @@ class DecodeSide:
         t0 = time.monotonic()
         result.update(self._verify(room, pages_t, prefix))
         result["verify_s"] = time.monotonic() - t0
-        for layer in range(g.layers):
+        self._give_back(pages_t, pages)
+        return result
+
+    def _give_back(self, pages_t, pages: List[int]) -> None:
+        """Reset a room's pages to :data:`SENTINEL` and return them to the free list."""
+        for layer in range(self.geometry.layers):
             kv_pages(self.pool, layer)[pages_t] = SENTINEL
             index_pages(self.pool, layer)[pages_t] = SENTINEL
         self.free_pages = sorted(self.free_pages + pages)  # "contiguous" rooms take the lowest run
-        return result
 
     def _reuse_once_drained(self, room: int, pages: List[int]) -> Dict[str, Any]:
         """Wait until every prefill sender of failed ``room`` is done with it (Success before the
@@ -170,11 +174,7 @@ class DecodeSide:
             return {"complete": False, "ranks": sorted(drains.heard(room)), "expected": failure.expected}
         outcome = {"complete": True, "ranks": sorted(drains.heard(room)), "expected": failure.expected,
                    "released_at": time.time()}
-        pages_t = torch.tensor(pages, dtype=torch.int64)
-        for layer in range(self.geometry.layers):
-            kv_pages(self.pool, layer)[pages_t] = SENTINEL
-            index_pages(self.pool, layer)[pages_t] = SENTINEL
-        self.free_pages = sorted(self.free_pages + pages)
+        self._give_back(torch.tensor(pages, dtype=torch.int64), pages)
         drains.forget(room)
         return outcome
 
