@@ -74,6 +74,36 @@ only positions <= index_topk are exact -- see docs/design.md), so the verdict is
   arrived, leaves decode_window and every request behind it waiting, and answers a radix hit
   from pages no CP rank sent with every CP rank sending (docs/troubleshooting.md).
 
+On sglang 0.5.23 (picked from the installed release, ``releases.installed``: its prefill CP is
+interleave) the pair takes 0.5.23's options (``pd_servers._interleave_commands``): prefill
+``--tp-size N --enable-prefill-cp --cp-strategy interleave``, the flag as
+``--enable-prefill-cp-shared-kv`` on both servers, ``--disable-decode-cuda-graph
+--disable-prefill-cuda-graph --disable-flashinfer-autotune`` on both, DSA backends: the prefill
+``flashmla_sparse`` (prefill and decode backend, bf16 and fp8), decode ``flashmla_sparse`` (bf16;
+0.5.23's Hopper default fa3 is not in the GPU bundle) or ``flashmla_kv`` (fp8: its
+``flashmla_sparse`` decode reads the fp8 cache without dequantizing it, as 0.5.12.post1's),
+``--enable-metrics`` on every prefill, SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD=0 (the
+NSA variable renamed); the PD warm-up and the overlap schedule stay as stock has them. The
+every-CP-rank variable means what it means on 0.5.12.post1 (without it CP ranks but 0 are dummy
+senders and decode pulls from CP rank 0 alone; the flag refuses to start on either server
+without it), so the flag-off runs keep stock's default again. Every run applies there (the
+decode guard, the abort's notice and the e2e switches are on 0.5.23's call paths too; the
+report's ``not_applicable`` names what does not), with two differences in what is judged or
+recorded:
+
+* over_logical at N = 2: 0.5.23 retires a prompt its prefill refuses at intake and sends
+  nothing (no stand-in for the flag to reject), so no prefill rank can tell decode; the check
+  becomes "the prefill refused it and decode failed it, unanswered, within its waiting timeout
+  (WAITING_TIMEOUT_S)" (``not_applicable`` says why). off's over_pool is recorded the same way
+  as before: stock decode fails it at that timeout there instead of answering it;
+* off_all_ranks records 0.5.23's every-CP-rank transfer, which splits a chunk's pages by
+  position (``disaggregation/utils.filter_kv_indices_for_cp_rank``), CP rank 0 alone sending
+  the index pages: ``stock_all_cp_ranks`` is expected all true there, still not judged.
+
+The report adds ``cp_strategy`` and ``not_applicable`` (the in-seq-split report is unchanged);
+runs are kept under a tag of their own (``.interleave``), so a work folder shared with
+0.5.12.post1's runs never mixes the two.
+
 Runs accumulate in --workdir (``--runs off,off_big`` now, ``--runs on,on_corrupt`` in a
 later call while the machine is warm); the report compares what is there and passes only
 when every run of the CP size is. A run that fails (a server that does not boot, a request
@@ -93,6 +123,7 @@ import time
 from pathlib import Path
 
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
 from sglang_cp_shared_kv_testing.pd_servers import (
     ABORT_CAUSE,
@@ -142,6 +173,32 @@ STALL_S = 30
 #: a run's prefill HTTP port is --port + PORTS_PER_RUN x its place in RUNS; decode +1,
 #: bootstrap +2, the prefill's NCCL +3, decode's +4
 PORTS_PER_RUN = 10
+#: decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT in every run (``pd_servers.run_env``'s default)
+WAITING_TIMEOUT_S = 60
+
+#: The prefill CP strategy of the installed SGLang (``releases``: in-seq-split on 0.5.12.post1,
+#: interleave on 0.5.23), which picks the pair's options and what is judged; the GPU-verified
+#: release's where no served SGLang is installed (the tests of this script's parts).
+CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
+INTERLEAVE = pd_servers.INTERLEAVE
+#: What does not apply under a CP strategy, and why (the report's ``not_applicable``): runs left
+#: out of its run list, checks replaced by what holds there. NOTE: on 0.5.23 every run's
+#: mechanism is there (read from its wheel: the every-CP-rank variable, the decode guard's
+#: ``DecodePreallocQueue`` hooks, ``sender.abort()`` on an in-flight request, the switches'
+#: targets), so no run is left out.
+NOT_APPLICABLE = {
+    INTERLEAVE: {
+        "runs": {},
+        "checks": {
+            "on fails over_logical on decode at once": (
+                "sglang 0.5.23 retires a prompt its prefill refuses at intake (PrefillBootstrapQueue.add: "
+                "is_unadmitted_reject, Scheduler.retire_unadmitted_request) and sends nothing, no one-token "
+                "stand-in for the flag to reject, so no prefill rank can tell decode; decode fails it at its "
+                "waiting timeout, flag on or off (judged instead: 'on: over_logical, refused by its prefill, "
+                "fails on decode within its waiting timeout')"),
+        },
+    },
+}
 
 
 RUNS = {
@@ -157,8 +214,12 @@ RUNS = {
 RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small_decode"]
 
 
-def runs_for(cp_size: int):
-    return list(RUNS) if cp_size > 1 else RUNS_WITHOUT_CP
+def runs_for(cp_size: int, cp_strategy=None):
+    """The runs of a CP size under ``cp_strategy`` (the installed release's unless given): those
+    NOT_APPLICABLE there left out."""
+    runs = list(RUNS) if cp_size > 1 else RUNS_WITHOUT_CP
+    left_out = NOT_APPLICABLE.get(cp_strategy or CP_STRATEGY, {}).get("runs", {})
+    return [name for name in runs if name not in left_out]
 #: (run, baseline, prompts): decode answers that must be bit-identical
 #: prompts posted right after the one they reuse, without a cache flush in between
 CACHED_PROMPTS = ("radix_hit", "radix_again", "chunked_again")
@@ -211,22 +272,35 @@ def run_ports(args, name):
             "decode_nccl": port + 4}
 
 
-def server_commands(args, run: Run, ports):
-    """(prefill cmd, decode cmd) of one run (``testing.pd_servers.server_commands``)."""
-    return pd_servers.server_commands(args, run, ports, chunk=CHUNK, default_decode_pool=BIG_POOL)
+def server_commands(args, run: Run, ports, cp_strategy=None):
+    """(prefill cmd, decode cmd) of one run (``testing.pd_servers.server_commands``;
+    ``cp_strategy``: the installed release's unless given)."""
+    return pd_servers.server_commands(args, run, ports, chunk=CHUNK, default_decode_pool=BIG_POOL,
+                                      cp_strategy=cp_strategy or CP_STRATEGY)
 
 
-def run_env(args, run: Run):
+def run_env(args, run: Run, cp_strategy=None):
     """Both servers' environment (``testing.pd_servers.run_env``): the small-decode runs'
     prefill gives up on a request decode never takes after SMALL_DECODE_BOOTSTRAP_TIMEOUT_S."""
     bootstrap_timeout = SMALL_DECODE_BOOTSTRAP_TIMEOUT_S if run.small_decode else 60
-    return pd_servers.run_env(args, run, bootstrap_timeout_s=bootstrap_timeout, stall_s=STALL_S)
+    return pd_servers.run_env(args, run, bootstrap_timeout_s=bootstrap_timeout, waiting_timeout_s=WAITING_TIMEOUT_S,
+                              stall_s=STALL_S, cp_strategy=cp_strategy or CP_STRATEGY)
 
 
-def verdict(runs, cp_size=2):
-    """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's."""
+def refused_then_unanswered(entry, within_s: float = WAITING_TIMEOUT_S + AT_ONCE_S) -> bool:
+    """Interleave (0.5.23), a prompt its prefill refuses: the prefill refused it and decode
+    failed it (never answered from KV no rank sent), within ``within_s`` (its waiting timeout)."""
+    answer = entry["decode"]
+    return (entry["prefill"].get("status") in ("http_error", "aborted")
+            and answer["status"] in ("http_error", "aborted") and answer.get("elapsed_s", within_s) < within_s)
+
+
+def verdict(runs, cp_size=2, cp_strategy=None):
+    """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's;
+    ``cp_strategy``: the installed release's unless given."""
     from sglang_cp_shared_kv.settings.config import FLAG
 
+    interleave = (cp_strategy or CP_STRATEGY) == INTERLEAVE
     checks = {}
     for run, base, names in EXACT:
         if run in runs and base in runs:
@@ -236,7 +310,11 @@ def verdict(runs, cp_size=2):
     if "off_big" in runs:
         for name in ("over_pool", "over_logical"):
             checks[f"off_big answers {name}"] = runs["off_big"]["prompts"][name]["decode"]["status"] == "ok"
-    if "on" in runs and cp_size * POOL < POOL * 5 // 2:
+    if "on" in runs and cp_size * POOL < POOL * 5 // 2 and interleave:
+        # its prefill refuses the prompt at intake and sends nothing (NOT_APPLICABLE's note)
+        checks["on: over_logical, refused by its prefill, fails on decode within its waiting timeout"] = (
+            refused_then_unanswered(runs["on"]["prompts"]["over_logical"]))
+    elif "on" in runs and cp_size * POOL < POOL * 5 // 2:
         # its prefill refuses the prompt: decode must fail it, with the cause, at once
         checks["on fails over_logical on decode at once"] = refused_at_once(
             runs["on"]["prompts"]["over_logical"]["decode"], naming=CAUSE_PREFIX)
@@ -416,10 +494,15 @@ def main() -> int:
     cp_runs = runs_for(args.cp_size)
     selected = cp_runs if args.runs is None else [r for r in args.runs.split(",") if r]
     unknown = sorted(set(selected) - set(cp_runs))
+    left_out = NOT_APPLICABLE.get(CP_STRATEGY, {}).get("runs", {})
     if unknown:
-        ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}")
+        why = "".join(f"; {name} does not apply under {CP_STRATEGY}: {left_out[name]}"
+                      for name in unknown if name in left_out)
+        ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}{why}")
     args.tag = (f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
-                + (".share-gpu" if args.share_gpu else ""))
+                + (".share-gpu" if args.share_gpu else "")
+                # NOTE: a work folder shared with the other release's runs never mixes them
+                + (f".{INTERLEAVE}" if CP_STRATEGY == INTERLEAVE else ""))
     work = Path(args.workdir)
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)
@@ -470,6 +553,14 @@ def main() -> int:
         report["stock_all_cp_ranks"] = {
             prompt: same_answer(entry["decode"], runs["off"]["prompts"][prompt]["decode"])
             for prompt, entry in runs["off_all_ranks"]["prompts"].items() if prompt in STOCK_ANSWERED}
+    if CP_STRATEGY == INTERLEAVE:  # NOTE: keys of the in-seq-split report unchanged
+        report["cp_strategy"] = CP_STRATEGY
+        report["not_applicable"] = NOT_APPLICABLE[INTERLEAVE]
+        if "stock_all_cp_ranks" in report:
+            report["stock_all_cp_ranks_note"] = (
+                "0.5.23's every-CP-rank transfer splits a chunk's pages by position "
+                "(disaggregation/utils.filter_kv_indices_for_cp_rank), CP rank 0 alone sending the index pages: "
+                "expected equal to off on every prompt; recorded, not judged")
     report["pass"] = set(runs) == set(cp_runs) and bool(checks) and all(checks.values())
     return write_report(report, args.out)
 

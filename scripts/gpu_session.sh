@@ -23,7 +23,9 @@
 #   PD="--cp-size 1 ..." runs scripts/e2e_pd_gpu.py with those arguments (needs
 #   .gpu-site/mooncake-cuda13.tar.xz from scripts/build_gpu_mooncake.sh; JSON and logs to $out;
 #   PD_SEED=dir first copies dir/*.json, the runs of an earlier call, into its work folder;
-#   several argument sets separated by ';' run one after another, each report named after them);
+#   several argument sets separated by ';' run one after another, each report named after them;
+#   with SITE0523=1 the same script runs sglang 0.5.23's pair -- interleave CP, its Mooncake engine
+#   from the stack part -- and keeps its runs apart from 0.5.12.post1's there, tag ".interleave");
 #   SOAK="--cp-size 4 --share-gpu ..." runs scripts/soak_pd.py with those arguments (a PD pair under
 #   load; its phases on/off/fault accumulate in ~/soak-work, SOAK_SEED=dir first copies dir/*.json,
 #   an earlier call's phases, there; JSON to $out/soak_pd.json, the phases' records and server logs

@@ -12,6 +12,16 @@ every rank of both servers on GPU 0 (:mod:`.shared_gpu`). The flag on the prefil
 sends (``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` on both), otherwise stock's default
 (CP rank 0 sends everything) even where the caller's environment sets the variable.
 
+On SGLang 0.5.23 (picked from the installed release, :data:`CP_STRATEGY`: its prefill CP is
+interleave) the same pair takes 0.5.23's options (:func:`_interleave_commands`): ``--tp-size``,
+``--enable-prefill-cp --cp-strategy interleave``, the DSA backends (FlashAttention 3, 0.5.23's
+bf16 decode default on Hopper, is not in the GPU bundle), ``--disable-decode-cuda-graph
+--disable-prefill-cuda-graph --disable-flashinfer-autotune`` on both servers, the flag as
+``--enable-prefill-cp-shared-kv`` and the short-prompt dense-attention threshold under its DSA
+name (:data:`DSA_DENSE_THRESHOLD_ENV`); the every-CP-rank variable means the same there
+(``disaggregation/common/conn.py``: CP ranks but 0 are dummies without it, and decode pulls
+from CP rank 0 alone).
+
 A request's answers are read with ``http.client`` so that a client can also walk away from
 one (close its connection after a delay, as an impatient user does: SGLang's HTTP server
 aborts a request whose client disconnected) or stop waiting for the prefill's answer once
@@ -28,6 +38,8 @@ import threading
 import time
 from typing import Dict, NamedTuple, Optional
 
+from sglang_cp_shared_kv.releases import installed
+from sglang_cp_shared_kv.settings.config import FLAG_ALIAS
 from sglang_cp_shared_kv_testing import shared_gpu
 from sglang_cp_shared_kv_testing.server import e2e_env, samples_by_rank
 
@@ -39,6 +51,26 @@ AT_ONCE_S = 10
 CAUSE_PREFIX = "cause: prefill CP rank"
 #: how that cause names an abort on the prefill (transfer/hooks.py)
 ABORT_CAUSE = "the prefill aborted the request"
+
+#: The prefill CP strategy of the installed SGLang (``releases``: in-seq-split on the GPU-verified
+#: release, interleave on 0.5.23), which picks the pair's options; the GPU-verified release's
+#: where no served SGLang is installed (the CPU tests of the scripts' parts).
+CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
+INTERLEAVE = "interleave"
+#: interleave (0.5.23): the short-prompt dense MHA threshold, 0.5.12.post1's
+#: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD renamed NSA -> DSA (as in
+#: scripts/e2e_cp_logprobs.py). NOTE: SGLang never takes that path under prefill CP
+#: (``DeepseekSparseAttnBackend.set_dsa_prefill_impl``: ``not is_dsa_enable_prefill_cp()``); it
+#: would on a TP1 prefill (``--cp-size 1``), where it calls FlashAttention 3, which the GPU
+#: bundle lacks. Set to 0 on both servers (else SGLang sets it to index_topk and says so).
+DSA_DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
+#: interleave (0.5.23): decode's DSA backend per KV dtype. bf16: flashmla_sparse (SGLang's Hopper
+#: default there is fa3, not in the GPU bundle). fp8: flashmla_kv, SGLang's Hopper fp8 default,
+#: named so that no other GPU changes it: 0.5.23's flashmla_sparse decode hands the pool's raw
+#: fp8 rows to ``flash_mla_sparse_fwd`` without dequantizing them (``dsa_backend.py``
+#: ``forward_decode`` -> ``_forward_flashmla_sparse``), as 0.5.12.post1's does. A decode server
+#: runs no prefill forward: its prefill backend is set to the same so both are named.
+INTERLEAVE_DECODE_BACKEND = {"bfloat16": "flashmla_sparse", "fp8_e4m3": "flashmla_kv"}
 
 
 class PdRun(NamedTuple):
@@ -62,11 +94,16 @@ class PdRun(NamedTuple):
         return self.decode_pool is not None
 
 
-def server_commands(args, run: PdRun, ports, *, chunk: int, default_decode_pool: int):
+def server_commands(args, run: PdRun, ports, *, chunk: int, default_decode_pool: int,
+                    cp_strategy: Optional[str] = None):
     """(prefill cmd, decode cmd) of one pair. ``args``: ``model``, ``kv_cache_dtype``,
     ``cp_size``, ``share_gpu``; ``ports``: ``prefill``, ``decode``, ``bootstrap`` and, where
     several pairs run at once, ``prefill_nccl``, ``decode_nccl``. ``default_decode_pool``:
-    decode's pool under ``--share-gpu`` when ``run`` names none (every pool fixed there)."""
+    decode's pool under ``--share-gpu`` when ``run`` names none (every pool fixed there).
+    ``cp_strategy``: the installed release's (:data:`CP_STRATEGY`) unless given; interleave
+    takes :func:`_interleave_commands`."""
+    if (cp_strategy or CP_STRATEGY) == INTERLEAVE:
+        return _interleave_commands(args, run, ports, chunk=chunk, default_decode_pool=default_decode_pool)
     base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--load-format",
             "dummy", "--skip-tokenizer-init", "--trust-remote-code", "--page-size", "64", "--disable-cuda-graph",
             "--disable-piecewise-cuda-graph", "--sampling-backend", "pytorch", "--random-seed", "0",
@@ -92,33 +129,103 @@ def server_commands(args, run: PdRun, ports, *, chunk: int, default_decode_pool:
     else:
         prefill += ["--tp", "1"]
     decode += ["--tp", "1"]
-    if args.share_gpu:  # every rank of both servers on GPU 0, every pool fixed (shared_gpu.py)
-        fractions = (shared_gpu.MEM_FRACTION_STATIC,) * 2
-        prefill += shared_gpu.server_args()
-        decode += shared_gpu.server_args()
-    elif args.cp_size > 1:  # decode on GPU 0 beside prefill rank 0
-        fractions = (0.45, 0.85)
-    else:  # both on GPU 0: what the prefill leaves
-        fractions = (0.3, 0.3)
-    prefill += ["--mem-fraction-static", str(fractions[0])]
-    decode += ["--mem-fraction-static", str(fractions[1])]
+    _place(args, prefill, decode)
     if run.flag_on:  # --enable-metrics: the run reports how its chunks reached the shards
         prefill += ["--enable-nsa-prefill-cp-shared-kv", "--enable-metrics"]
     if run.decode_flag:
         decode.append("--enable-nsa-prefill-cp-shared-kv")
+    return prefill, _with_decode_pool(decode, args, run, default_decode_pool)
+
+
+def _place(args, prefill, decode) -> None:
+    """Both servers' GPU memory, added to their commands: ``--share-gpu`` (every rank of both
+    on GPU 0, every pool fixed: shared_gpu.py), else decode on GPU 0 beside prefill rank 0 (CP),
+    else both on GPU 0 with what the prefill leaves."""
+    if args.share_gpu:
+        fractions = (shared_gpu.MEM_FRACTION_STATIC,) * 2
+        prefill += shared_gpu.server_args()
+        decode += shared_gpu.server_args()
+    elif args.cp_size > 1:
+        fractions = (0.45, 0.85)
+    else:
+        fractions = (0.3, 0.3)
+    prefill += ["--mem-fraction-static", str(fractions[0])]
+    decode += ["--mem-fraction-static", str(fractions[1])]
+
+
+def _with_decode_pool(decode, args, run: PdRun, default_decode_pool: int):
+    """``decode`` with its pool: the run's, else ``default_decode_pool`` under ``--share-gpu``."""
     decode_pool = default_decode_pool if run.decode_pool is None and args.share_gpu else run.decode_pool
-    if decode_pool is not None:
-        decode += ["--max-total-tokens", str(decode_pool)]
-    return prefill, decode
+    return decode + ["--max-total-tokens", str(decode_pool)] if decode_pool is not None else decode
+
+
+def _interleave_commands(args, run: PdRun, ports, *, chunk: int, default_decode_pool: int):
+    """0.5.23's options for the same pair (see :func:`server_commands`), mapped from the
+    in-seq-split pair option by option:
+
+    * ``--tp`` -> ``--tp-size`` (``--tp`` is only an abbreviation there);
+    * ``--disable-cuda-graph`` (deprecated) and ``--disable-piecewise-cuda-graph`` (gone) ->
+      ``--disable-decode-cuda-graph --disable-prefill-cuda-graph`` on both servers, flag off and
+      on alike: 0.5.23 turns the breakable prefill graph on for interleave DSA CP, the flag
+      turns it off with a WARNING, and the flag-off runs must run the same eager forward;
+    * ``--disable-flashinfer-autotune`` on both servers: the flag declares it off on the prefill
+      (its warmup runs a decode-shaped dummy forward); said on every server so that the flag
+      changes nothing else;
+    * ``--nsa-*-backend`` -> the prefill: ``--dsa-prefill-backend flashmla_sparse
+      --dsa-decode-backend flashmla_sparse`` for both KV dtypes (as scripts/e2e_cp_logprobs.py;
+      SGLang's Hopper fp8 default flashmla_kv is not what the flag's CPU rigs ran; the flag
+      refuses only trtllm as a prefill server's decode backend; no decode step runs there);
+      decode: :data:`INTERLEAVE_DECODE_BACKEND` (bf16 flashmla_sparse, fp8 flashmla_kv) for both;
+    * ``--enable-nsa-prefill-context-parallel --nsa-prefill-cp-mode in-seq-split`` ->
+      ``--enable-prefill-cp --cp-strategy interleave``; the flag as ``--enable-prefill-cp-shared-kv``
+      on both servers (one option, two spellings, on 0.5.23);
+    * ``--enable-metrics`` on every prefill, so that a flag-off prefill's command is the flag-on
+      one's minus the flag (the flag-on runs read the plugin's counters there);
+    * the rest keep their names, the PD warm-up included (not skipped: a PD prefill's warm-up
+      is a prefill-only request through SGLang's fake sender, a decode's a decode with its fake
+      receiver, ``entrypoints/http_server._send_disaggregation_warmup_requests``), and so does
+      the overlap schedule (on, as in 0.5.12.post1's pair: a PD prefill never decodes).
+    """
+    base = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(args.model), "--load-format",
+            "dummy", "--skip-tokenizer-init", "--trust-remote-code", "--page-size", "64",
+            "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph", "--disable-flashinfer-autotune",
+            "--sampling-backend", "pytorch", "--random-seed", "0",
+            "--kv-cache-dtype", args.kv_cache_dtype, "--disaggregation-transfer-backend", "mooncake",
+            "--host", "127.0.0.1"]
+    decode_backend = INTERLEAVE_DECODE_BACKEND[args.kv_cache_dtype]
+    prefill = base + ["--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(ports["bootstrap"]),
+                      "--port", str(ports["prefill"]), "--chunked-prefill-size", str(chunk),
+                      "--max-total-tokens", str(run.prefill_pool),
+                      "--dsa-prefill-backend", "flashmla_sparse", "--dsa-decode-backend", "flashmla_sparse",
+                      "--enable-metrics"]
+    decode = base + ["--disaggregation-mode", "decode", "--port", str(ports["decode"]), "--base-gpu-id", "0",
+                     "--dsa-prefill-backend", decode_backend, "--dsa-decode-backend", decode_backend]
+    if "prefill_nccl" in ports:
+        prefill += ["--nccl-port", str(ports["prefill_nccl"])]
+        decode += ["--nccl-port", str(ports["decode_nccl"])]
+    prefill += ["--tp-size", str(args.cp_size)]
+    if args.cp_size > 1:
+        prefill += ["--enable-prefill-cp", "--cp-strategy", INTERLEAVE, "--disable-custom-all-reduce"]
+    decode += ["--tp-size", "1"]
+    _place(args, prefill, decode)
+    if run.flag_on:
+        prefill.append(FLAG_ALIAS)
+    if run.decode_flag:
+        decode.append(FLAG_ALIAS)
+    return prefill, _with_decode_pool(decode, args, run, default_decode_pool)
 
 
 def run_env(args, run: PdRun, *, bootstrap_timeout_s: float, waiting_timeout_s: float = 60,
-            stall_s: Optional[float] = None) -> Dict[str, str]:
+            stall_s: Optional[float] = None, cp_strategy: Optional[str] = None) -> Dict[str, str]:
     """Both servers' environment: the e2e ``sitecustomize`` (:func:`.server.e2e_env`), SGLang's
     PD timeouts (a refused or lost request fails within them instead of SGLang's 300 s), who
     sends (:attr:`PdRun.every_cp_rank_sends`), the deterministic top-k unless
-    ``args.stock_topk``, the run's corruption and stall switches, ``--share-gpu``'s settings."""
-    env = e2e_env({"SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
+    ``args.stock_topk``, the run's corruption and stall switches, ``--share-gpu``'s settings.
+    ``cp_strategy`` (the installed release's unless given) names the dense-attention threshold
+    (interleave: :data:`DSA_DENSE_THRESHOLD_ENV`)."""
+    threshold = (DSA_DENSE_THRESHOLD_ENV if (cp_strategy or CP_STRATEGY) == INTERLEAVE
+                 else "SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD")
+    env = e2e_env({threshold: "0",
                    "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(waiting_timeout_s),
                    "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(bootstrap_timeout_s)})
     if run.every_cp_rank_sends:
@@ -269,6 +376,7 @@ def pages_sent_by_rank(samples):
 PAGES_SENT_METRIC = "sglang:cp_shared_kv_transfer_pages_total"
 
 
-__all__ = ["NEW_TOKENS", "AT_ONCE_S", "CAUSE_PREFIX", "ABORT_CAUSE", "PdRun", "server_commands", "run_env", "answer", "generate_pd",
+__all__ = ["NEW_TOKENS", "AT_ONCE_S", "CAUSE_PREFIX", "ABORT_CAUSE", "CP_STRATEGY", "INTERLEAVE",
+           "DSA_DENSE_THRESHOLD_ENV", "INTERLEAVE_DECODE_BACKEND", "PdRun", "server_commands", "run_env", "answer", "generate_pd",
            "summarize_decode", "same_answer", "max_logprob_gap", "refused_at_once", "pages_sent_by_rank",
            "PAGES_SENT_METRIC"]

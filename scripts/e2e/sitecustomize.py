@@ -37,7 +37,9 @@ the real modules in a fresh process and checks each patch on the object the call
 the dummy weights, SHARE_GPU (``run_scheduler_process`` kept its first four arguments),
 CORRUPT_RANK (the 0.5.23 forward hook finishes every MLA view in ``finish_mla_view`` too:
 ``forward.steps.attend_on_dense_view``), CORRUPT_SEND_RANK and STALL_WRITE_RANK (the transfer
-hooks are shared) and DUMP_PAGES (same targets and signatures) patch the same names;
+hooks are shared; the selfcheck with each on 0.5.23's Mooncake classes shows decode's KV wrong
+at rank 1's pages only, and rank 1's first write held, the test's two selfcheck cases) and
+DUMP_PAGES (same targets and signatures) patch the same names;
 STABLE_TOPK also replaces the two top-k v2 JIT kernels 0.5.23's DSA backend routes to
 (``sglang.kernels.ops.attention.dsv4.topk``: ``stable_topk.V2_STAND_INS``);
 CORRUPT_LOAD_RANK wraps 0.5.23's host pool (``hicache.host_pool_v0523.CpSharedKVHostPool.

@@ -350,8 +350,66 @@ print("RESULT " + json.dumps({
 
 def test_the_pd_switches_install_on_0523s_targets(tmp_path):
     """CORRUPT_SEND_RANK, STALL_WRITE_RANK and DUMP_PAGES (later PD runs): the import works and
-    each wraps its target (their effect on a 0.5.23 PD run is not checked here)."""
+    each wraps its target (the first two's effect on 0.5.23's PD path: the selfcheck tests below)."""
     got, out = _run(PD_SWITCHES, {"CPSKV_E2E_CORRUPT_SEND_RANK": "1", "CPSKV_E2E_STALL_WRITE_RANK": "0",
                                   "CPSKV_E2E_DUMP_PAGES": str(tmp_path)})
     assert all(got.values()), got
     assert "NOT patched" not in out
+
+
+# ------------------------------------------------------------------ the PD switches on 0.5.23's PD path
+def _selfcheck_json(switches, timeout=900):
+    """The selfcheck (``--json``) on 0.5.23 with ``switches``: 2 CPU prefill ranks through the
+    plugin's real forward path, each sending its shard through SGLang 0.5.23's Mooncake classes
+    (the plugin's hooks applied) to a decode pool. (report, its process log folder)."""
+    env = {**os.environ, "CPSKV_E2E": "1", **switches,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "scripts" / "e2e"), str(ROOT / "python")])}
+    out = subprocess.run([sys.executable, "-m", "sglang_cp_shared_kv", "selfcheck", "--json"], capture_output=True,
+                         text=True, env=env, timeout=timeout)
+    assert out.stdout.strip().startswith("{"), out.stdout[-2000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    return report, Path(report["logs"])
+
+
+@pytest.mark.slow
+def test_the_pd_send_control_reaches_decode_through_0523s_pd_classes():
+    """CPSKV_E2E_CORRUPT_SEND_RANK=1 (e2e_pd_gpu.py's on_corrupt): the prefill stays bit-exact and
+    each rank sends as many pages as it stores, but decode's KV is wrong exactly at pages CP rank 1
+    owns (a chunk's second owned page carries its first one's rows), its index pages untouched --
+    the switch reaches 0.5.23's send path (``filter_kv_indices_for_cp_rank`` -> the plugin's
+    ``filter_owned_pages`` -> ``PrefillShardTransfer.owned_pages``)."""
+    import re
+
+    import numpy as np
+
+    from sglang_cp_shared_kv.cp_shared_kv_layout import CpSharedKVLayout
+
+    report, logs = _selfcheck_json({"CPSKV_E2E_CORRUPT_SEND_RANK": "1"})
+    assert report["verdict"] == "FAIL" and report["sglang_version"] == v0523.RELEASE.version
+    failed = {c["name"]: c["detail"] for c in report["checks"] if not c["passed"]}
+    assert list(failed) == ["decode pool"], failed
+    detail = failed["decode pool"]
+    assert "index" not in detail and "kv wrong at positions" in detail, detail
+    positions = sorted({int(p) for group in re.findall(r"kv wrong at positions \[([\d, ]+)\]", detail)
+                        for p in group.split(",")})
+    assert positions, detail
+    logical = np.asarray(json.loads((logs / "pages.json").read_text()))  # the request's pages, by position
+    owners = CpSharedKVLayout(cp_size=2, cp_rank=0, page_size=64).owner_for_logical_pages_np(logical[positions])
+    assert owners.tolist() == [1] * len(positions), (positions, owners)
+    from sglang_cp_shared_kv_testing.server import CORRUPTING_SENDS_LINE
+
+    assert CORRUPTING_SENDS_LINE in (logs / "rank1.log").read_text()
+
+
+@pytest.mark.slow
+def test_the_stall_switch_holds_only_rank_1s_first_write_on_0523s_pd_path():
+    """CPSKV_E2E_STALL_WRITE_RANK=1 (e2e_pd_gpu.py's on_abort): CP rank 1's first Mooncake write,
+    reached through 0.5.23's ``MooncakeKVManager._transfer_data`` (the plugin's
+    ``write_in_bounded_batches`` -> ``PrefillShardTransfer.write``), is held once, in rank 1's
+    process only, and then goes ahead: decode's bytes are still exact."""
+    from sglang_cp_shared_kv_testing.server import STALLED_WRITE_LINE
+
+    report, logs = _selfcheck_json({"CPSKV_E2E_STALL_WRITE_RANK": "1", "CPSKV_E2E_STALL_WRITE_S": "2"})
+    assert report["verdict"] == "PASS", [c for c in report["checks"] if not c["passed"]]
+    held = {name: (logs / f"{name}.log").read_text().count(STALLED_WRITE_LINE) for name in ("rank0", "rank1", "decode")}
+    assert held == {"rank0": 0, "rank1": 1, "decode": 0}, held
