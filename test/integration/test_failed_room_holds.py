@@ -205,13 +205,36 @@ def test_a_success_for_a_room_decode_gave_up_counts_as_that_ranks_drain(one_rank
     assert queue.tree_cache.released == []
     assert mgr.server_socket.recv_multipart() == status(FAILED_ROOM, KVPoll.Success, 1)  # SGLang reads it, as ever
     assert mgr.server_socket.recv_multipart() == status(OTHER_ROOM, KVPoll.Success, 0)
-    assert room_drains(mgr).heard(OTHER_ROOM) == frozenset()
+    assert room_drains(mgr).heard(OTHER_ROOM) == frozenset()  # (kept aside: it never failed)
     release_round(scheduler)
     assert queue.tree_cache.released == [("failed", False)]
     flag_off = decode_manager(flag=False)
     flag_off.server_socket = socket = Socket()
     transfer.watch_late_successes(lambda m: None, flag_off)
     assert flag_off.server_socket is socket
+
+
+def test_a_success_read_just_before_its_room_fails_still_counts(one_rank_group):
+    """The receiver thread sees rank 1's Success while SGLang still tracks the room; the room
+    fails before SGLang's own handling reads it (the snapshot lacks rank 1), and SGLang then
+    drops it as a status for a cleared room. The Success kept aside counts: the hold ends on
+    it, not at its bound (the default 30 s here)."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    from sglang_cp_shared_kv.transfer import hooks as transfer
+
+    queue, scheduler, allocator, _ = transfer_queue(one_rank_group)
+    mgr = decode_manager()
+    mgr.server_socket = Socket(status(FAILED_ROOM, KVPoll.Success, 1))
+    transfer.watch_late_successes(lambda m: None, mgr)
+    receiver(mgr, FAILED_ROOM, KVPoll.Transferring, expected=2, succeeded={0})
+    assert mgr.server_socket.recv_multipart() == status(FAILED_ROOM, KVPoll.Success, 1)  # (observed, tracked)
+    assert room_drains(mgr).heard(FAILED_ROOM) == frozenset()  # not failed: nothing counts yet
+    enqueue(queue, allocator, receiver(mgr, FAILED_ROOM, KVPoll.Failed, expected=2, succeeded={0}), "failed")
+    queue.pop_transferred()
+    release_round(scheduler)
+    assert queue.tree_cache.released == [("failed", False)]
+    assert room_drains(mgr).heard(FAILED_ROOM) == frozenset()  # released: forgotten
 
 
 def test_a_silent_prefill_rank_releases_at_the_timeout_with_a_warning(one_rank_group, monkeypatch, caplog):

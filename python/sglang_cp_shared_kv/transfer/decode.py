@@ -36,18 +36,26 @@ class FailedRoom:
 
 
 class RoomDrains:
-    """One decode manager's record of failed rooms: :class:`FailedRoom` per room, and the
-    prefill ranks whose drained notice arrived (receiver thread; a notice may come before
-    the room fails here). Bounded like the causes."""
+    """One decode manager's record of failed rooms: :class:`FailedRoom` per room, the prefill
+    ranks whose drained notice arrived (receiver thread; a notice may come before the room fails
+    here), and the ranks whose Success the receiver thread saw for a room still tracked (see
+    :func:`note_late_success`). Bounded like the causes."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._drained = BoundedRooms()  # room -> frozenset of prefill ranks
+        self._seen_success = BoundedRooms()  # room -> frozenset of prefill ranks (every room)
         self._failed = BoundedRooms()  # room -> FailedRoom
 
     def drained(self, room: int, prefill_rank: int) -> None:
         with self._lock:
             self._drained.put(room, (self._drained.get(room) or frozenset()) | {prefill_rank})
+
+    def success_seen(self, room: int, prefill_rank: int) -> None:
+        """A Success for a room SGLang still tracks: SGLang's own, unless the room fails here
+        before SGLang's thread reads it (then SGLang, finding the room cleared, drops it)."""
+        with self._lock:
+            self._seen_success.put(room, (self._seen_success.get(room) or frozenset()) | {prefill_rank})
 
     def failed(self, room: int, failure: FailedRoom) -> None:
         self._failed.put(room, failure)
@@ -60,11 +68,16 @@ class RoomDrains:
         failure = self._failed.get(room)
         with self._lock:
             drained = self._drained.get(room) or frozenset()
+            seen = self._seen_success.pop(room) if failure is not None else None
+            if seen:  # NOTE: kept with the drains from now on: the busier map could drop it mid-hold
+                drained |= seen
+                self._drained.put(room, drained)
         return drained | (failure.succeeded if failure is not None else frozenset())
 
     def forget(self, room: int) -> None:
         with self._lock:
             self._drained.pop(room)
+            self._seen_success.pop(room)
         self._failed.pop(room)
 
 
@@ -87,10 +100,12 @@ def note_late_success(kv_mgr, msg) -> None:
 
     NOTE: SGLang ignores a status for a room it cleared, and a rank that sent all of a room
     before its group agreed on Failed (or whose decode failed the room alone: an abort on
-    decode, its waiting timeout) sends no drained notice, only that Success. Kept only for a
-    room SGLang no longer tracks or that failed here; a Success for a room still tracked is
-    SGLang's own (the failed room's snapshot reads it), so the one miss is a Success arriving
-    between this check and SGLang's: the hold then ends at its bound."""
+    decode, its waiting timeout) sends no drained notice, only that Success. For a room SGLang
+    no longer tracks, or that failed here, it counts as that rank's drain. For a room still
+    tracked it is SGLang's own, and the failed room's snapshot reads it there, unless the room
+    fails between this check and SGLang's reading it (SGLang then drops it as a status for a
+    cleared room): so it is also kept aside (``success_seen``, bounded) and counted once the
+    room has failed, instead of that hold running to its bound."""
     # (SGLang's status message: room, the KVPoll value and the sender id, each in ascii)
     if len(msg) != 3 or msg[1] != str(int(sg.KVPoll.Success)).encode("ascii"):
         return
@@ -103,6 +118,8 @@ def note_late_success(kv_mgr, msg) -> None:
         return
     if room not in kv_mgr.request_status or drains.failure(room) is not None:
         drains.drained(room, prefill_rank)
+    else:
+        drains.success_seen(room, prefill_rank)
 
 
 class StatusObserver:
