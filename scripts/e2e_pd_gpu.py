@@ -88,14 +88,13 @@ every-CP-rank variable means what it means on 0.5.12.post1 (without it CP ranks 
 senders and decode pulls from CP rank 0 alone; the flag refuses to start on either server
 without it), so the flag-off runs keep stock's default again. Every run applies there (the
 decode guard, the abort's notice and the e2e switches are on 0.5.23's call paths too; the
-report's ``not_applicable`` names what does not), with two differences in what is judged or
-recorded:
+report's ``not_applicable`` names what does not), with two differences in what is recorded
+(over_logical at N = 2 is judged as on 0.5.12.post1: 0.5.23 retires a prompt its prefill refuses
+at intake and makes no sender, and the flag's prefill ranks tell decode themselves, naming the
+refusal; stock 0.5.23 leaves decode to fail it at its waiting timeout):
 
-* over_logical at N = 2: 0.5.23 retires a prompt its prefill refuses at intake and sends
-  nothing (no stand-in for the flag to reject), so no prefill rank can tell decode; the check
-  becomes "the prefill refused it and decode failed it, unanswered, within its waiting timeout
-  (WAITING_TIMEOUT_S)" (``not_applicable`` says why). off's over_pool is recorded the same way
-  as before: stock decode fails it at that timeout there instead of answering it;
+* off's over_pool: stock decode fails it at that timeout on 0.5.23 instead of answering it
+  (recorded, not judged, as before);
 * off_all_ranks records 0.5.23's every-CP-rank transfer, which splits a chunk's pages by
   position (``disaggregation/utils.filter_kv_indices_for_cp_rank``), CP rank 0 alone sending
   the index pages: ``stock_all_cp_ranks`` is expected all true there, still not judged.
@@ -185,19 +184,10 @@ INTERLEAVE = pd_servers.INTERLEAVE
 #: out of its run list, checks replaced by what holds there. NOTE: on 0.5.23 every run's
 #: mechanism is there (read from its wheel: the every-CP-rank variable, the decode guard's
 #: ``DecodePreallocQueue`` hooks, ``sender.abort()`` on an in-flight request, the switches'
-#: targets), so no run is left out.
+#: targets, the flag's notice of a prompt refused at intake on ``PrefillBootstrapQueue.add``),
+#: so no run is left out and every check applies.
 NOT_APPLICABLE = {
-    INTERLEAVE: {
-        "runs": {},
-        "checks": {
-            "on fails over_logical on decode at once": (
-                "sglang 0.5.23 retires a prompt its prefill refuses at intake (PrefillBootstrapQueue.add: "
-                "is_unadmitted_reject, Scheduler.retire_unadmitted_request) and sends nothing, no one-token "
-                "stand-in for the flag to reject, so no prefill rank can tell decode; decode fails it at its "
-                "waiting timeout, flag on or off (judged instead: 'on: over_logical, refused by its prefill, "
-                "fails on decode within its waiting timeout')"),
-        },
-    },
+    INTERLEAVE: {"runs": {}, "checks": {}},
 }
 
 
@@ -287,20 +277,12 @@ def run_env(args, run: Run, cp_strategy=None):
                               stall_s=STALL_S, cp_strategy=cp_strategy or CP_STRATEGY)
 
 
-def refused_then_unanswered(entry, within_s: float = WAITING_TIMEOUT_S + AT_ONCE_S) -> bool:
-    """Interleave (0.5.23), a prompt its prefill refuses: the prefill refused it and decode
-    failed it (never answered from KV no rank sent), within ``within_s`` (its waiting timeout)."""
-    answer = entry["decode"]
-    return (entry["prefill"].get("status") in ("http_error", "aborted")
-            and answer["status"] in ("http_error", "aborted") and answer.get("elapsed_s", within_s) < within_s)
-
-
 def verdict(runs, cp_size=2, cp_strategy=None):
     """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's;
-    ``cp_strategy``: the installed release's unless given."""
+    ``cp_strategy``: kept for the callers that name it (the same checks under both strategies
+    since the flag tells decode of a prompt 0.5.23 refuses at intake)."""
     from sglang_cp_shared_kv.settings.config import FLAG
 
-    interleave = (cp_strategy or CP_STRATEGY) == INTERLEAVE
     checks = {}
     for run, base, names in EXACT:
         if run in runs and base in runs:
@@ -310,12 +292,9 @@ def verdict(runs, cp_size=2, cp_strategy=None):
     if "off_big" in runs:
         for name in ("over_pool", "over_logical"):
             checks[f"off_big answers {name}"] = runs["off_big"]["prompts"][name]["decode"]["status"] == "ok"
-    if "on" in runs and cp_size * POOL < POOL * 5 // 2 and interleave:
-        # its prefill refuses the prompt at intake and sends nothing (NOT_APPLICABLE's note)
-        checks["on: over_logical, refused by its prefill, fails on decode within its waiting timeout"] = (
-            refused_then_unanswered(runs["on"]["prompts"]["over_logical"]))
-    elif "on" in runs and cp_size * POOL < POOL * 5 // 2:
-        # its prefill refuses the prompt: decode must fail it, with the cause, at once
+    if "on" in runs and cp_size * POOL < POOL * 5 // 2:
+        # its prefill refuses the prompt: decode must fail it, with the cause, at once (0.5.12.post1:
+        # every rank rejects the one-token stand-in; 0.5.23: every rank tells decode of the refusal)
         checks["on fails over_logical on decode at once"] = refused_at_once(
             runs["on"]["prompts"]["over_logical"]["decode"], naming=CAUSE_PREFIX)
     elif "on" in runs and "off_big" in runs:  # N >= 3 ranks hold it

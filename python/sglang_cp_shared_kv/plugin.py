@@ -235,6 +235,8 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         # called on a requeue, is not hooked)
         HookSpec(f"{_MOONCAKE}.MooncakeKVManager.conclude_transfer", transfer_dsa.report_failure_cause_to_decode,
                  "around"),
+        # a prompt refused at intake gets no sender (0.5.23): decode told at once, not at its timeout
+        HookSpec(f"{_PREFILL_QUEUE}.add", transfer_dsa.fail_room_refused_at_intake, "around"),
     )
 
 

@@ -13,8 +13,9 @@ script judges there.
   (answered "Hopper" here, as test_settings_v0523.py does), and the device is named (``--device
   cuda``; the GPU machine detects it);
 * the parts of the script that differ on 0.5.23 and need no SGLang: the run list, the over_logical
-  check (the prefill retires a refused prompt at intake: decode fails it at its waiting timeout),
-  the report's ``cp_strategy`` and ``not_applicable``, the runs' own tag.
+  check (the prefill retires a refused prompt at intake, and the flag's ranks tell decode: judged
+  as on 0.5.12.post1, "fails on decode at once, naming the cause"), the report's ``cp_strategy``
+  and ``not_applicable`` (empty), the runs' own tag.
 """
 
 import argparse
@@ -257,9 +258,7 @@ def test_the_dsa_names_are_the_logprobs_scripts():
 # ------------------------------------------------------------------ what the script judges on 0.5.23
 def test_every_run_applies_on_interleave_and_the_script_says_what_does_not(pd):
     assert pd.runs_for(2, INTERLEAVE) == list(pd.RUNS) and pd.runs_for(1, INTERLEAVE) == pd.RUNS_WITHOUT_CP
-    notes = pd.NOT_APPLICABLE[INTERLEAVE]
-    assert notes["runs"] == {} and list(notes["checks"]) == ["on fails over_logical on decode at once"]
-    assert "retire_unadmitted_request" in notes["checks"]["on fails over_logical on decode at once"]
+    assert pd.NOT_APPLICABLE[INTERLEAVE] == {"runs": {}, "checks": {}}
 
 
 def _records(pd):
@@ -267,39 +266,46 @@ def _records(pd):
         return {"decode": {"status": "ok", "ids": [1, 2], "logprobs": [value, -1.0], "elapsed_s": 1.0},
                 "prefill": {"status": "ok", "cached_tokens": pd.RADIX_PREFIX}}
 
-    def unanswered(elapsed):  # the prefill refused it at intake, decode failed it at its waiting timeout
+    def unanswered(elapsed):  # stock: the prefill refused it at intake, decode failed it at its waiting timeout
         return {"decode": {"status": "http_error", "error": "Request 7 timed out after 60.0s", "elapsed_s": elapsed},
                 "prefill": {"status": "http_error", "error": "exceeds the maximum number of tokens"}}
 
+    def refused(elapsed):  # the flag: every prefill rank told decode of the refusal at once
+        error = ("Failed due to an unknown reason from another rank; cause: prefill CP rank 0 of 2: room 7 ends "
+                 "unsent: the prefill refused the request at intake: Input length (20480) exceeds the maximum")
+        return {"decode": {"status": "http_error", "error": error, "elapsed_s": elapsed},
+                "prefill": {"status": "http_error", "error": "Input length (20480) exceeds the maximum"}}
+
     base = {name: answer(-0.5) for name in pd.prompts()}
     runs = {name: {"prompts": dict(base)} for name in ("off", "off_b", "off_big")}
-    runs["on"] = {"prompts": {**base, "over_logical": unanswered(60.4)},
+    runs["on"] = {"prompts": {**base, "over_logical": refused(0.11)},
                   "pages_sent": {"0": {"kv": 60, "state": 60}, "1": {"kv": 58, "state": 58}}}
-    runs["on_corrupt"] = {"prompts": {**{n: answer(-0.7) for n in base}, "over_logical": unanswered(60.2)}}
+    runs["on_corrupt"] = {"prompts": {**{n: answer(-0.7) for n in base}, "over_logical": refused(0.12)}}
     for name in ("off", "off_b"):
         runs[name]["prompts"]["over_pool"] = unanswered(60.1)
         runs[name]["prompts"]["over_logical"] = unanswered(60.3)
     return runs
 
 
-def test_over_logical_at_cp2_is_judged_as_0523_serves_it(pd):
-    """Interleave, N = 2: the flag's prefill refuses over_logical at intake and sends nothing, so
-    decode fails it at its waiting timeout; the check wants it refused and never answered within
-    that timeout. 0.5.12.post1's "at once, naming the cause" is not asked there."""
-    check = "on: over_logical, refused by its prefill, fails on decode within its waiting timeout"
+def test_over_logical_at_cp2_is_judged_as_on_0512(pd):
+    """Interleave, N = 2: the flag's prefill refuses over_logical at intake and every rank tells
+    decode, so 0.5.12.post1's check applies: decode fails it at once, naming the prefill's cause.
+    A decode that waited for its timeout (stock 0.5.23), answered it, or failed it without the
+    cause fails the check."""
+    check = "on fails over_logical on decode at once"
     checks = pd.verdict(_records(pd), 2, INTERLEAVE)
-    assert checks[check] and "on fails over_logical on decode at once" not in checks
+    assert checks[check] and not any("within its waiting timeout" in name for name in checks)
     assert all(checks.values()), {k: v for k, v in checks.items() if not v}
     for change in (
-        lambda e: e.update(decode={"status": "ok", "ids": [1], "logprobs": [-1.0], "elapsed_s": 61.0}),  # answered
-        lambda e: e["decode"].update(elapsed_s=pd.WAITING_TIMEOUT_S + pd.AT_ONCE_S),  # waited past the timeout
-        lambda e: e["prefill"].update(status="ok"),  # the prefill answered it: not the refused prompt's path
+        lambda e: e.update(decode={"status": "ok", "ids": [1], "logprobs": [-1.0], "elapsed_s": 0.5}),  # answered
+        lambda e: e["decode"].update(error="Request 7 timed out after 60.0s", elapsed_s=60.4),  # stock 0.5.23
+        lambda e: e["decode"].update(error="Failed due to an unknown reason from another rank"),  # no cause
     ):
         runs = _records(pd)
         change(runs["on"]["prompts"]["over_logical"])
         assert not pd.verdict(runs, 2, INTERLEAVE)[check]
-    # in-seq-split keeps its check, and from N = 3 the ranks hold it (on = off_big) under both
-    assert "on fails over_logical on decode at once" in pd.verdict(_records(pd), 2, "in-seq-split")
+    # the same check under in-seq-split, and from N = 3 the ranks hold it (on = off_big) under both
+    assert pd.verdict(_records(pd), 2, "in-seq-split")[check]
     assert check not in pd.verdict(_records(pd), 4, INTERLEAVE)
 
 
@@ -328,7 +334,7 @@ def test_the_interleave_report_names_its_strategy_what_does_not_apply_and_keeps_
     assert sorted(p.name for p in work.glob("*.interleave.json")) == [
         f"{name}.cp2.bfloat16.share-gpu.interleave.json" for name in ("off", "off_big", "on", "on_corrupt")]
     assert report["cp_strategy"] == INTERLEAVE and report["not_applicable"] == pd.NOT_APPLICABLE[INTERLEAVE]
-    assert report["checks"]["on: over_logical, refused by its prefill, fails on decode within its waiting timeout"]
+    assert report["checks"]["on fails over_logical on decode at once"]
     assert not report["pass"]
 
 

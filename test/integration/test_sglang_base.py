@@ -139,6 +139,7 @@ def test_on_0523_the_table_holds_every_concern():
         ("sglang.srt.disaggregation.utils.filter_kv_indices_for_cp_rank", "around"),
         (f"{mooncake}.MooncakeKVManager.__init__", "after"),
         ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager", "after"),
+        ("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.add", "around"),
         *((f"{mooncake}.MooncakeKVManager.{name}", "around") for name in (
             "add_transfer_request", "_transfer_data", "_should_skip_cp_replicated_state_transfer",
             "maybe_send_extra", "send_aux", "update_status", "conclude_transfer", "_handle_aux_data")),

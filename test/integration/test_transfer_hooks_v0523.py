@@ -112,7 +112,7 @@ def queued(mgr):
 
 def test_table_0523_hooks_what_0523_has():
     """Every target of 0.5.23's transfer block exists in 0.5.23; hooks_dsa holds exactly the
-    three whose targets changed shape; maybe_release_metadata_buffer is not hooked (0.5.23
+    three whose targets changed shape and the intake refusal's (new in 0.5.23); maybe_release_metadata_buffer is not hooked (0.5.23
     aborts every queue through the sender, and calls it on a requeue that is not an abort)."""
     import pkgutil
 
@@ -123,7 +123,7 @@ def test_table_0523_hooks_what_0523_has():
         assert callable(getattr(pkgutil.resolve_name(owner), name)), spec.target
     assert {s.hook for s in specs if s.hook.__module__ == hooks_dsa.__name__} == {
         hooks_dsa.prepare_prefill_transfer, hooks_dsa.every_rank_sends_its_index_pages,
-        hooks_dsa.report_failure_cause_to_decode}
+        hooks_dsa.report_failure_cause_to_decode, hooks_dsa.fail_room_refused_at_intake}
     assert not any("metadata_buffer" in s.target or "sync_status" in s.target for s in specs)
 
 
@@ -435,6 +435,131 @@ def test_0523_aborts_a_waiting_request_through_the_sender():
     ((remote, port, (cause, status)),) = told
     assert (remote, port) == DECODE and "aborted the request" in parse_failure_cause(cause)[1]
     assert status == [b"13", b"0", b"1"]
+
+
+# ------------------------------------------------- a prompt refused at intake
+def _refused_request(room, message="Input length (9000) exceeds the maximum allowed length (8186)"):
+    """A real 0.5.23 ``Req`` as the scheduler's intake leaves a prompt it refuses
+    (``validate_input_length`` -> ``Req.set_finish_with_abort``), for bootstrap room ``room``."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(f"room-{room}", "", list(range(2, 40)), SamplingParams(max_new_tokens=4))
+    req.bootstrap_room, req.bootstrap_host = room, "127.0.0.1"
+    with get_parallel().override(tp_rank=0):
+        req.set_finish_with_abort(message)
+    return req
+
+
+def _intake(mgr, req, *, max_input_len=8192):
+    """0.5.23's real ``PrefillBootstrapQueue.add`` under the hook, on a queue holding what it
+    reads; the requests the scheduler retired and answered."""
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+
+    out = SimpleNamespace(retired=[], answered=[])
+    queue = SimpleNamespace(
+        kv_manager=mgr, queue=[], max_input_len=max_input_len,
+        scheduler=SimpleNamespace(retire_unadmitted_request=out.retired.append,
+                                  output_streamer=SimpleNamespace(stream_output=lambda reqs, lp: out.answered.extend(reqs))))
+    for name in ("create_sender", "_check_if_req_exceed_kv_capacity"):  # SGLang's own, on this queue
+        setattr(queue, name, getattr(PrefillBootstrapQueue, name).__get__(queue))
+    hooks_dsa.fail_room_refused_at_intake(stock(PrefillBootstrapQueue, "add"), queue, req, 1)
+    assert not queue.queue and req.disagg_kv_sender is None  # refused: no sender, nothing queued
+    return out
+
+
+def _register(mgr, room, session, required=1):
+    """What 0.5.23's bootstrap thread does when decode registers ``room`` with this rank: the
+    target into ``transfer_infos``, and once all ``required`` are in, WaitingForInput (hooked)."""
+    info = conn.TransferInfo(room=room, endpoint=DECODE[0], dst_port=DECODE[1], mooncake_session_id=session,
+                             dst_kv_indices=np.asarray([100], dtype=np.int32), dst_aux_index=3,
+                             dst_state_indices=[[]], required_dst_info_num=required, is_dummy=False)
+    mgr.transfer_infos.setdefault(room, {})[session] = info
+    if len(mgr.transfer_infos[room]) == required:
+        mgr.req_to_decode_prefix_len[room] = 0
+        transfer.fail_late_registration_of_aborted_room(stock(Manager, "update_status"), mgr, room,
+                                                        KVPoll.WaitingForInput)
+
+
+def _refusals(frames):
+    """(cause texts, Failed status frames) among the frames sent."""
+    causes = [parse_failure_cause(f)[1] for f in frames if parse_failure_cause(f)]
+    return causes, [f for f in frames if not parse_failure_cause(f)]
+
+
+@pytest.mark.parametrize("cp_rank", [0, 1])
+def test_a_prompt_refused_at_intake_after_decode_registered_fails_there_at_once(cp_rank):
+    """0.5.23 retires a prompt its intake refuses (PrefillBootstrapQueue.add: is_unadmitted_reject)
+    without a sender: under the flag the rank tells decode, registered already, the cause (SGLang's
+    refusal) and Failed at once, then forgets SGLang's entries for the room (no sender clears them)."""
+    mgr = make_manager(cp_rank=cp_rank)
+    mgr.req_to_decode_prefix_len = {}
+    told = []
+    prefill.prefill_transfer(mgr)._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(((r, p), m)))
+    _register(mgr, 31, "127.0.0.1:7000")
+    assert mgr.request_status[31] == KVPoll.WaitingForInput
+    out = _intake(mgr, _refused_request(31))
+    assert [r.bootstrap_room for r in out.retired] == [31]  # SGLang's own retirement ran
+    ((target, frames),) = told
+    causes, statuses = _refusals(frames)
+    assert target == DECODE and statuses == [[b"31", b"0", str(cp_rank).encode()]]
+    assert causes == [f"prefill CP rank {cp_rank} of 2: room 31 ends unsent: the prefill refused the request at "
+                      "intake: Input length (9000) exceeds the maximum allowed length (8186)"]
+    assert 31 not in mgr.request_status and 31 not in mgr.transfer_infos and 31 not in mgr.req_to_decode_prefix_len
+    assert prefill.transfer_stats(mgr)["refused_requests"] == 1
+    assert not len(prefill.built_prefill_transfer(mgr)._refused_unregistered)
+
+
+def test_a_prompt_refused_at_intake_before_decode_registered_is_told_on_registration():
+    """Refused before decode registered the room (two decode targets: one before, one after the
+    refusal): the one registered is told at once, the other when it registers, each once; then
+    SGLang's entries are dropped and the rank's memory of the room too."""
+    mgr = make_manager()
+    mgr.req_to_decode_prefix_len = {}
+    told = []
+    prefill.prefill_transfer(mgr)._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(m))
+    _register(mgr, 32, "127.0.0.1:7000", required=2)
+    _intake(mgr, _refused_request(32))
+    assert len(told) == 1 and 32 in mgr.transfer_infos  # (its count of registered targets kept)
+    assert prefill.built_prefill_transfer(mgr)._refused_unregistered.get(32) is not None
+    _register(mgr, 32, "127.0.0.1:7001", required=2)
+    assert len(told) == 2
+    causes, statuses = _refusals(told[1])
+    assert "refused the request at intake" in causes[0] and statuses == [[b"32", b"0", b"1"]]
+    assert 32 not in mgr.request_status and 32 not in mgr.transfer_infos
+    assert prefill.built_prefill_transfer(mgr)._refused_unregistered.get(32) is None
+    _register(mgr, 33, "127.0.0.1:7000")  # another room's registration: nothing of 32's
+    assert len(told) == 2
+
+
+def test_a_prompt_over_the_capacity_check_is_refused_the_same_way():
+    """PrefillBootstrapQueue.add's other way out without a sender: create_sender's capacity check
+    (a prompt over the queue's max_input_len, SGLang's prepare_abort): decode told with its reason."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    mgr = make_manager()
+    mgr.req_to_decode_prefix_len = {}
+    told = []
+    prefill.prefill_transfer(mgr)._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(m))
+    _register(mgr, 34, "127.0.0.1:7000")
+    req = Req("room-34", "", list(range(2, 200)), SamplingParams(max_new_tokens=4))
+    req.bootstrap_room, req.bootstrap_host = 34, "127.0.0.1"
+    out = _intake(mgr, req, max_input_len=100)
+    assert out.answered == [req] and not out.retired
+    (frames,) = told
+    assert "intake: Request room-34 exceeds the maximum number of tokens: 198 > 100" in _refusals(frames)[0][0]
+
+
+def test_flag_off_a_prompt_refused_at_intake_is_stock():
+    """Flag off: SGLang's retirement alone, nothing sent, SGLang's entries for the room untouched
+    (stock decode fails the room at its waiting timeout)."""
+    mgr = make_manager(shared=False)
+    mgr.req_to_decode_prefix_len = {}
+    _register(mgr, 35, "127.0.0.1:7000")
+    out = _intake(mgr, _refused_request(35))
+    assert len(out.retired) == 1 and mgr.sent == [] and mgr.request_status[35] == KVPoll.WaitingForInput
+    assert prefill.built_prefill_transfer(mgr) is None
 
 
 # ------------------------------------------- the index pages through maybe_send_extra

@@ -27,8 +27,10 @@ chunk was written (decode fails within its waiting timeout, no hang).
 
 The same run, on the same tests, on SGLang 0.5.23 (``.venv-0.5.23``; the rig's per-release
 seam is ``sglang_cp_shared_kv_testing/pd/releases.py``). What 0.5.23 changed leaves three cases out there:
-compute-owner pages (interleave CP computes every page on every rank), the refused prompt
-(0.5.23 retires it at intake and sends nothing) and the index write the lane rejects on
+compute-owner pages (interleave CP computes every page on every rank), the refused prompt's
+one-token stand-in (0.5.23 retires the prompt at intake, no sender: there the rig refuses it
+through 0.5.23's real ``PrefillBootstrapQueue.add`` after decode registered the room and before;
+stock decode waits for its timeout, the flag's every rank tells it at once) and the index write the lane rejects on
 its own (0.5.23's index page list starts at the decode prefix like the KV list, so the
 lane rejects the KV write first); and decode's cached prefix keeps its own index pages
 there, which the rig checks stay untouched.
@@ -143,6 +145,14 @@ def build_plan():
         add(f"prefill-refused-prompt/{instance}", instance, 30 * PAGE, [30 * PAGE], 0, np.arange(1, 31),
             "contiguous", 11, prefill_refused=True, expect="stock" if instance.startswith("R") else "failed",
             **({} if instance.startswith("R") else DRAIN))
+    # 0.5.23 retires a prompt its intake refuses and makes no sender: after decode registered
+    # the room, or before (decode registers a second later). Stock (R2, after) leaves decode
+    # waiting for its waiting timeout; the flag (S2, S3) tells it at once from every rank.
+    for when in ("after", "before") if not RELEASE.stock_sends_refused_prompt_standin else ():
+        for instance in ("R2", "S2", "S3") if when == "after" else ("S2", "S3"):
+            add(f"prefill-refused-at-intake-{when}/{instance}", instance, 30 * PAGE, [30 * PAGE], 0,
+                np.arange(1, 31), "contiguous", 14, refused_at_intake=when, expect="failed",
+                decode_waiting_timeout=ABORT_TIMEOUT_S, **({"decode_registers_after_s": 1.0} if when == "before" else {}))
     # The prefill aborts the request after bootstrap (SGLang's abort_request: sender.abort()).
     # Stock (R2) leaves decode waiting for its waiting timeout; the flag (S3) tells it at once.
     add("prefill-aborts/R2", "R2", 10 * PAGE, [10 * PAGE], 0, np.arange(1, 11), "contiguous", 12,
@@ -352,6 +362,41 @@ def test_flag_fails_a_prompt_its_prefill_refused_on_both_sides(pd_run):
         for rank, result in _ranks(pd_run, name).items():
             assert result["status"] == "failed" and "rejected room" in result["error"], (rank, result)
             assert result["stats"]["rejected_requests"] == 1 and result["stats"]["kv_descriptors"] == 0, result
+
+
+@pytest.mark.skipif(RELEASE.stock_sends_refused_prompt_standin, reason="the release sends a one-token stand-in")
+def test_stock_decode_waits_its_timeout_for_a_prompt_refused_at_intake(pd_run):
+    """0.5.23, flag off: the prefill retires a prompt its intake refuses and makes no sender, so
+    decode, registered with every rank, hears nothing and fails it only at its waiting timeout."""
+    name = "prefill-refused-at-intake-after/R2"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and "timed out after" in decode["error"], _context(pd_run, name)
+    assert decode["elapsed_s"] >= ABORT_TIMEOUT_S
+    assert all(r["status"] == "refused" and r["retired"] for r in _ranks(pd_run, name).values())
+
+
+@pytest.mark.skipif(RELEASE.stock_sends_refused_prompt_standin, reason="the release sends a one-token stand-in")
+@pytest.mark.parametrize("when", ["after", "before"])
+@pytest.mark.parametrize("instance", ["S2", "S3"])
+def test_flag_fails_a_prompt_refused_at_intake_on_decode_at_once(pd_run, when, instance):
+    """0.5.23 with the flag, the same refusal after decode registered the room or before it did:
+    every CP rank tells decode (the cause, then SGLang's Failed status) at once or as soon as
+    decode registers, and forgets the room; decode fails it within a fraction of its waiting
+    timeout, naming the prefill's refusal."""
+    name = f"prefill-refused-at-intake-{when}/{instance}"
+    decode = _decode(pd_run, name)
+    assert decode["status"] == "failed" and decode["elapsed_s"] < ABORT_TIMEOUT_S / 4, _context(pd_run, name)
+    assert "timed out" not in decode["error"], decode
+    assert "; cause: prefill CP rank" in decode["error"], decode
+    assert "ends unsent: the prefill refused the request at intake: Input length" in decode["error"], decode
+    ranks = _ranks(pd_run, name)
+    assert len(ranks) == int(instance[1:]), ranks
+    for rank, result in ranks.items():
+        assert result["status"] == "refused" and result["retired"], (rank, result)
+        assert result["decode_told"] and result["room_forgotten"], (rank, result)
+        assert result["stats"]["refused_requests"] == 1 and result["stats"]["write_batches"] == 0, (rank, result)
+        if when == "before":  # refused while decode still waited its second to register
+            assert result["refused_at"] < decode["failed_at"] - 0.5, (rank, result, decode)
 
 
 @pytest.mark.parametrize("case", ["prefill-aborts", "prefill-aborts-early"])

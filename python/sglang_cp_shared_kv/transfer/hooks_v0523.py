@@ -11,7 +11,13 @@ What 0.5.23 changed under them:
   _should_skip_cp_replicated_state_transfer``): SGLang assumes every CP rank holds the same
   index pages. Under the flag each rank holds only its own, so every rank sends them;
 * ``sync_status_to_decode_endpoint`` is gone: ``CommonKVManager.conclude_transfer`` records
-  the reason and sends the terminal status (to every decode target of the room at once).
+  the reason and sends the terminal status (to every decode target of the room at once);
+* a prompt the prefill refuses at intake is retired there (``PrefillBootstrapQueue.add``:
+  ``is_unadmitted_reject`` -> ``Scheduler.retire_unadmitted_request``, or the capacity check
+  in ``create_sender``) with no sender, so nothing tells decode, which registered the room
+  with every prefill rank and fails it only at its waiting timeout (0.5.12.post1 sent a
+  one-token stand-in, which the flag rejects before enqueueing). Under the flag each rank
+  tells decode itself.
 
 Like :mod:`.hooks`, each hook is thin and passes straight through without the flag.
 """
@@ -75,4 +81,22 @@ def report_failure_cause_to_decode(original, kv_mgr, **conclusion):
     return original(kv_mgr, **conclusion)
 
 
-__all__ = ["prepare_prefill_transfer", "every_rank_sends_its_index_pages", "report_failure_cause_to_decode"]
+def fail_room_refused_at_intake(original, queue, req, *args, **kwargs):
+    """AROUND ``PrefillBootstrapQueue.add``: a request it leaves without a sender was refused at
+    intake (its two ways out without one: ``is_unadmitted_reject`` and the capacity check, each
+    leaving SGLang's ``FINISH_ABORT`` on the request); under the flag decode hears at once
+    that the room will not arrive, with SGLang's reason, instead of after its waiting timeout
+    (:meth:`.room_failures.RoomFailureNotices.fail_refused_room`)."""
+    result = original(queue, req, *args, **kwargs)
+    room = getattr(req, "bootstrap_room", None)
+    if room is None or getattr(req, "disagg_kv_sender", None) is not None:
+        return result
+    context = prefill_transfer(queue.kv_manager)
+    if context is not None:
+        reason = getattr(req, "finished_reason", None) or getattr(req, "to_finish", None)
+        context.fail_refused_room(queue.kv_manager, room, getattr(reason, "message", None) or "no reason given")
+    return result
+
+
+__all__ = ["prepare_prefill_transfer", "every_rank_sends_its_index_pages", "report_failure_cause_to_decode",
+           "fail_room_refused_at_intake"]

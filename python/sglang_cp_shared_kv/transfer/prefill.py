@@ -72,6 +72,9 @@ class PrefillShardTransfer(ChunkAdmission, ShardWrites, RoomFailureNotices):
         # rest are told on registration. The lock makes "read the targets, keep the room"
         # one step against the bootstrap thread's "registered: pop the room".
         self._aborted_unregistered = BoundedRooms()
+        # room -> (cause, session ids told): refused at intake (0.5.23) before all of decode
+        # registered; the rest are told on registration, under the same lock
+        self._refused_unregistered = BoundedRooms()
         self._drained_rooms = BoundedRooms()  # room -> True: its drain markers are out
         self._room_endpoints = BoundedRooms()  # room -> its decode endpoints, for its drain
         self._registration_lock = threading.Lock()

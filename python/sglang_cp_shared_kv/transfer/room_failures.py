@@ -46,6 +46,7 @@ class RoomFailureNotices:
     _rejected: BoundedRooms  # room -> why this rank failed it
     _abort_notices: AbortNotices
     _aborted_unregistered: BoundedRooms  # room -> (cause, session ids told)
+    _refused_unregistered: BoundedRooms  # room -> (cause, session ids told) (:meth:`fail_refused_room`)
     _drained_rooms: BoundedRooms  # room -> True: drain markers out (:meth:`drain_failed_room`)
     _room_endpoints: BoundedRooms  # room -> its decode endpoints (:meth:`remember_decode_endpoints`)
     _registration_lock: threading.Lock
@@ -87,6 +88,38 @@ class RoomFailureNotices:
                         message, len(told))
         return True
 
+    def fail_refused_room(self, kv_mgr, room, why: str) -> None:
+        """The prefill refused ``room``'s request at intake and made no sender for it (SGLang
+        0.5.23's ``PrefillBootstrapQueue.add``: ``is_unadmitted_reject`` or the capacity check),
+        so nothing of SGLang's will ever tell decode, which fails the room only at its waiting
+        timeout: tell every decode target now, the cause (``why``: SGLang's own refusal message)
+        and SGLang's Failed status; targets that have not registered the room with this rank yet
+        are told when they have (:meth:`tell_late_registration`, the last 4,096 refused rooms
+        remembered). Once every target was told, this rank forgets SGLang's entries for the
+        room (its status, decode targets and prefix length), which no sender will ever clear.
+
+        Every CP rank makes the same refusal (the scheduler's intake runs on each rank over the
+        same broadcast request list and the same capacity): each tells decode for itself, no
+        collective, no raise. NOTE: called on the scheduler thread; SGLang's bootstrap thread
+        registers decode targets meanwhile, hence the registration lock (as for an abort)."""
+        message = f"{self.who}: room {room} ends unsent: the prefill refused the request at intake: {why}"
+        self.stats.add(refused_requests=1)
+        self.counters.count("failures", "refused")
+        with self._registration_lock:
+            targets = room_targets(kv_mgr, room)
+            told = self._tell_decode(kv_mgr, room, message, targets)
+            # WaitingForInput: SGLang's bootstrap thread is done registering the room's targets
+            # (or Failed: decode gave the room up since, its ABORT handled)
+            done = (registration_complete(targets)
+                    and kv_mgr.request_status.get(room) in (sg.KVPoll.WaitingForInput, sg.KVPoll.Failed))
+            if not done:
+                self._refused_unregistered.put(room, (message, told))
+        if done:
+            forget_unsent_room(kv_mgr, room)
+        else:
+            logger.info("CP shared KV transfer: %s; %d decode target(s) told, the rest when they register",
+                        message, len(told))
+
     def drain_failed_room(self, kv_mgr, room, targets) -> None:
         """This rank gave ``room`` up as failed (an abort, or SGLang's ``failure_exception`` once
         the group agreed on Failed), and ``targets`` (its ``TransferInfo``) are the decode ranks it may
@@ -122,10 +155,18 @@ class RoomFailureNotices:
         """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
         registered it with this rank): the targets of a room aborted before that, not told
         yet, are failed now instead of waiting for their timeout."""
-        if status != sg.KVPoll.WaitingForInput or not len(self._aborted_unregistered):
+        if status != sg.KVPoll.WaitingForInput or not (len(self._aborted_unregistered)
+                                                       or len(self._refused_unregistered)):
             return
         with self._registration_lock:
             pending = self._aborted_unregistered.pop(room)
+            refused = self._refused_unregistered.pop(room)
+        if refused is not None:
+            message, told = refused
+            self._tell_decode(kv_mgr, room, message, tuple(info for info in room_targets(kv_mgr, room)
+                                                           if info.mooncake_session_id not in told))
+            # (on SGLang's bootstrap thread, which has just registered the room's last target)
+            forget_unsent_room(kv_mgr, room)
         if pending is not None:
             message, told = pending
             targets = room_targets(kv_mgr, room)
@@ -178,4 +219,14 @@ class RoomFailureNotices:
         return reason
 
 
-__all__ = ["RoomFailureNotices"]
+def forget_unsent_room(kv_mgr, room) -> None:
+    """Drop SGLang's prefill entries for ``room``, which has no sender to clear them (a room
+    refused at intake, every decode target told): what ``CommonKVSender.clear`` drops of a
+    room. A later ABORT from decode finds the room unknown and is acknowledged as SGLang
+    acknowledges any room it has no write in flight for."""
+    kv_mgr.request_status.pop(room, None)
+    kv_mgr.transfer_infos.pop(room, None)
+    getattr(kv_mgr, "req_to_decode_prefix_len", {}).pop(room, None)
+
+
+__all__ = ["RoomFailureNotices", "forget_unsent_room"]

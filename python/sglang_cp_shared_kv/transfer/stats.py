@@ -6,7 +6,7 @@ Prometheus counters exist only with ``--enable-metrics`` (:class:`RankCounters` 
 
 * ``sglang:cp_shared_kv_transfer_pages_total{cp_rank,kind=kv|state}``
 * ``sglang:cp_shared_kv_transfer_descriptors_total{cp_rank,kind=kv|state}``
-* ``sglang:cp_shared_kv_transfer_failures_total{cp_rank,kind=kv|state|aux|rejected|aborted}``
+* ``sglang:cp_shared_kv_transfer_failures_total{cp_rank,kind=kv|state|aux|rejected|aborted|refused}``
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ class TransferStats:
         "state_pages", "state_descriptors",
         "write_batches", "write_descriptors", "write_bytes",
         "failed_writes", "failed_state_writes", "failed_aux_writes", "rejected_requests",
-        "aborted_requests",
+        "aborted_requests", "refused_requests",
     )
 
     def __init__(self, recent: int = 256):
@@ -58,7 +58,7 @@ _COUNTERS = {
                     "issued under shared KV (kind: kv | state)."),
     "failures": ("sglang:cp_shared_kv_transfer_failures_total",
                  "Requests a prefill CP rank failed under shared KV "
-                 "(kind: kv | state | aux | rejected | aborted)."),
+                 "(kind: kv | state | aux | rejected | aborted | refused)."),
 }
 
 

@@ -8,7 +8,9 @@ already holds, ``room["content"] == "pool"``), and sending a room the way
 SGLang's prefill scheduler does (``MooncakeKVSender`` + the real
 ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` per chunk), optionally killing
 this process mid-transfer, sending what stock SGLang sends for a prompt its prefill
-refused (``room["prefill_refused"]``) or aborting the request after bootstrap
+refused (``room["prefill_refused"]``), refusing it at intake as SGLang 0.5.23 does, no sender
+made (``room["refused_at_intake"]``: ``"after"`` or ``"before"`` decode registered it; SGLang's
+real ``PrefillBootstrapQueue.add``) or aborting the request after bootstrap
 (``room["prefill_aborts"]``; ``"before_registration"``: before decode registered it) when
 the plan asks. With ``room["agree"]`` the instance's ranks agree on the room's status before
 concluding it, as SGLang's prefill group does (the MIN of their polls, here through files in
@@ -137,6 +139,8 @@ class PrefillInstance:
 
         from sglang_cp_shared_kv.transfer.prefill import transfer_stats
 
+        if room.get("refused_at_intake"):
+            return self._refuse_at_intake(room)
         t0 = time.monotonic()
         self.fill(room)
         fill_s = time.monotonic() - t0
@@ -204,6 +208,40 @@ class PrefillInstance:
         if after is not None:
             result["stats"] = {k: after[k] - before[k] for k in after if k != "recent_chunks"}
             result["chunks"] = [c for c in after["recent_chunks"] if c["room"] == room["room"]]
+        return result
+
+    def _refuse_at_intake(self, room: Dict[str, Any]) -> Dict[str, Any]:
+        """SGLang 0.5.23's intake refuses the prompt (``validate_input_length`` ->
+        ``Req.set_finish_with_abort``; ``PrefillBootstrapQueue.add`` retires it, no sender):
+        after decode registered the room with this rank (``"after"``) or at once (``"before"``;
+        decode registers later). With the flag, waits (bounded) until every decode target of
+        the room was told (``decode_told``)."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        from sglang_cp_shared_kv.transfer.prefill import built_prefill_transfer, transfer_stats
+
+        number = room["room"]
+        before = transfer_stats(self.kv_mgr)
+        if room["refused_at_intake"] == "after":
+            wait_for(lambda: self.kv_mgr.request_status.get(number) == KVPoll.WaitingForInput, 60,
+                     f"decode to register room {number}")
+        refused_at = time.time()
+        retired = self.release.refuse_at_intake(
+            self.kv_mgr, number, f"Input length ({room['seq_len']}) exceeds the maximum allowed length")
+        result: Dict[str, Any] = {"status": "refused", "retired": retired, "refused_at": refused_at}
+        context = built_prefill_transfer(self.kv_mgr)
+        if context is not None:
+            def forgotten():  # (SGLang's entries go right after the last target was told)
+                return number not in self.kv_mgr.request_status and number not in self.kv_mgr.transfer_infos
+
+            for key, done, what in (("decode_told", lambda: context._refused_unregistered.get(number) is None,
+                                     "decode's targets told"), ("room_forgotten", forgotten, "SGLang's entries dropped")):
+                try:
+                    result[key] = wait_for(done, 30, f"room {number}: {what}")
+                except TimeoutError:
+                    result[key] = False
+            after = transfer_stats(self.kv_mgr)
+            result["stats"] = {k: after[k] - before[k] for k in after if k != "recent_chunks"}
         return result
 
     def _agree(self, room: Dict[str, Any], status):

@@ -119,6 +119,10 @@ class Release0512:
         """The NSA index page list decode sends (``DecodePreallocQueue``): the whole sequence."""
         return self.page_list(req_to_token_row, 0, seq_len, page_size)
 
+    def refuse_at_intake(self, kv_mgr, room: int, message: str) -> bool:
+        """0.5.12.post1 keeps a refused prompt as a one-token stand-in (``room["prefill_refused"]``)."""
+        raise NotImplementedError("sglang 0.5.12.post1 sends a refused prompt's one-token stand-in")
+
 
 class Release0523(Release0512):
     """SGLang 0.5.23."""
@@ -240,6 +244,26 @@ class Release0523(Release0512):
     def decode_index_pages(self, req_to_token_row, prefix_len: int, seq_len: int, page_size: int):
         """0.5.23's decode sends the index pages after its cached prefix (``suffix_page_indices``)."""
         return self.page_list(req_to_token_row, prefix_len, seq_len, page_size)
+
+    def refuse_at_intake(self, kv_mgr, room: int, message: str) -> bool:
+        """What 0.5.23's scheduler does with a prompt its intake refuses: a real ``Req`` with
+        ``set_finish_with_abort(message)`` (``validate_input_length``'s verdict) through the real
+        ``PrefillBootstrapQueue.add`` (hooked in this process), on a queue holding what that reads;
+        whether SGLang retired it (``is_unadmitted_reject`` -> ``retire_unadmitted_request``)."""
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        req = Req(f"room-{room}", "", [1] * 8, SamplingParams(max_new_tokens=1))
+        req.bootstrap_room, req.bootstrap_host = room, "127.0.0.1"
+        with get_parallel().override(tp_rank=0):
+            req.set_finish_with_abort(message)
+        retired = []
+        queue = SimpleNamespace(kv_manager=kv_mgr, queue=[],
+                                scheduler=SimpleNamespace(retire_unadmitted_request=retired.append))
+        PrefillBootstrapQueue.add(queue, req, 1)
+        return retired == [req] and req.disagg_kv_sender is None and not queue.queue
 
 
 def write_tiny_dsv32(workdir) -> Path:
