@@ -70,6 +70,10 @@ first: ``SOAK_SEED`` of ``scripts/gpu_session.sh``); the report covers every pha
 and passes when on and off are there and every judged check passes. JSON to --out and
 stdout.
 
+SGLang 0.5.12.post1 only: the idle pool audit and the abort checks are that release's; on
+0.5.23 the script stops before starting a server and says so (scripts/e2e_pd_gpu.py runs
+0.5.23's pair).
+
 Usage: python scripts/soak_pd.py --out soak.json --cp-size 4 --share-gpu [--phases on,off,fault]
                                  [--parallel 2] [--kv-cache-dtype fp8_e4m3] [--requests 200]
 """
@@ -92,7 +96,7 @@ from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
 from sglang_cp_shared_kv.hicache.metrics import HICACHE_PAGES_METRIC
 from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, leak_found
-from sglang_cp_shared_kv.releases import v0512
+from sglang_cp_shared_kv.releases import installed, v0512
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
 from sglang_cp_shared_kv_testing.pd_load import (
     LoadShape,
@@ -794,6 +798,11 @@ def main() -> int:
     ap.add_argument("--hicache-ratio", type=float, default=None,
                     help="the prefill with HiCache's host tier, R x a rank's device pool (PD with host hits)")
     args = ap.parse_args()
+    release = installed.INSTALLED or installed.RECOMMENDED
+    if release is not v0512.RELEASE:  # NOTE: its checks read that release's idle pool audit and abort rules
+        ap.error(f"sglang {release.version} is installed: this script judges sglang {v0512.RELEASE.version}'s "
+                 "pair only (the idle pool audit it reads, observability/idle_pool_audit_v0512.py, and its abort "
+                 f"checks are that release's); scripts/e2e_pd_gpu.py runs sglang {release.version}'s pair")
     if args.cp_size not in v0512.RELEASE.served_cp_sizes:  # the flag needs prefill CP; the plugin refuses other sizes
         ap.error(f"--cp-size {args.cp_size}: choose one of {v0512.RELEASE.served_cp_sizes} (releases/v0512.py: served_cp_sizes)")
     selected = [p for p in args.phases.split(",") if p]

@@ -360,3 +360,17 @@ def test_the_0512_commands_are_not_touched_by_the_interleave_ones(pd):
     new = pd.server_commands(args, pd.RUNS["on"], ports, cp_strategy=INTERLEAVE)
     assert "--enable-nsa-prefill-context-parallel" in old[0] and "--enable-prefill-cp" in new[0]
     assert "--tp" in old[1] and "--tp-size" in new[1]
+
+
+@needs_v0523
+def test_the_soak_refuses_0523_naming_what_it_lacks(monkeypatch, capsys):
+    """scripts/soak_pd.py reads 0.5.12.post1's idle pool audit: on 0.5.23 it stops before
+    starting a server, naming why and the script that runs 0.5.23's pair."""
+    soak = load_script("soak_pd")
+    monkeypatch.setattr(sys, "argv", ["soak_pd.py", "--cp-size", "2", "--share-gpu"])
+    with pytest.raises(SystemExit) as exit_:
+        soak.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"sglang {v0523.RELEASE.version} is installed" in err and "idle_pool_audit_v0512" in err
+    assert "scripts/e2e_pd_gpu.py" in err
