@@ -532,6 +532,39 @@ def test_a_prompt_refused_at_intake_before_decode_registered_is_told_on_registra
     assert len(told) == 2
 
 
+def test_a_registration_completing_during_the_refusal_is_told(monkeypatch):
+    """The one interleaving of the two threads: the scheduler's refusal has read the room's
+    targets (none yet) under the registration lock when the bootstrap thread registers decode
+    and marks the room WaitingForInput. The bootstrap thread's hook waits for the lock (it does
+    not skip on the refused-room map, still empty then) and tells decode once the refusal lets
+    go; skipping, decode would have heard of the room only at its waiting timeout."""
+    from sglang_cp_shared_kv.transfer import room_failures
+
+    mgr = make_manager()
+    mgr.req_to_decode_prefix_len = {}
+    told = []
+    prefill.prefill_transfer(mgr)._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(m))
+    registering = threading.Thread(target=_register, args=(mgr, 36, "127.0.0.1:7000"))
+    snapshot = room_failures.room_targets
+
+    def targets_then_registration(kv_mgr, room):
+        targets = snapshot(kv_mgr, room)
+        if threading.current_thread() is not registering and not registering.is_alive() and not told:
+            registering.start()  # (its hook now waits for the lock this thread holds)
+            registering.join(0.5)
+        return targets
+
+    monkeypatch.setattr(room_failures, "room_targets", targets_then_registration)
+    _intake(mgr, _refused_request(36))
+    registering.join(10)
+    assert not registering.is_alive()
+    (frames,) = told
+    causes, statuses = _refusals(frames)
+    assert "refused the request at intake" in causes[0] and statuses == [[b"36", b"0", b"1"]]
+    assert 36 not in mgr.request_status and 36 not in mgr.transfer_infos
+    assert prefill.built_prefill_transfer(mgr)._refused_unregistered.get(36) is None
+
+
 def test_a_prompt_over_the_capacity_check_is_refused_the_same_way():
     """PrefillBootstrapQueue.add's other way out without a sender: create_sender's capacity check
     (a prompt over the queue's max_input_len, SGLang's prepare_abort): decode told with its reason."""

@@ -154,9 +154,15 @@ class RoomFailureNotices:
     def tell_late_registration(self, kv_mgr, room, status) -> None:
         """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
         registered it with this rank): the targets of a room aborted before that, not told
-        yet, are failed now instead of waiting for their timeout."""
-        if status != sg.KVPoll.WaitingForInput or not (len(self._aborted_unregistered)
-                                                       or len(self._refused_unregistered)):
+        yet, are failed now instead of waiting for their timeout.
+
+        NOTE: the lock is taken for every room that completes its registration, never skipped
+        on an empty map read outside it: the scheduler thread may hold the lock mid-way through
+        an abort or a refusal, its snapshot of the targets taken before this thread added the
+        last one, and its entry put only just before it lets go; this thread then waits for
+        that entry instead of missing it (that target would learn of the room only at its
+        waiting timeout). Once per room, uncontended but for that case."""
+        if status != sg.KVPoll.WaitingForInput:
             return
         with self._registration_lock:
             pending = self._aborted_unregistered.pop(room)
