@@ -74,10 +74,12 @@ import time
 import urllib.error
 from pathlib import Path
 
-from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.settings.config import FLAG_ALIAS
 from sglang_cp_shared_kv_testing import shared_gpu
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv_testing.server import (
+    DSA_DENSE_THRESHOLD_ENV,
+    INTERLEAVE,
     TINY_DSV32,
     WRITE_PATHS_METRIC,
     accumulate_runs,
@@ -140,7 +142,7 @@ RADIX_HITS = {"radix_hit_3k_prefix": RADIX_PREFIX, "radix_mid_page": MID_PAGE_HI
 #: interleave on 0.5.23), which picks the command line and the checks; the GPU-verified
 #: release's where no served SGLang is installed (the tests of this script's parts).
 CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
-INTERLEAVE = "interleave"
+
 
 # --- interleave (0.5.23) only ------------------------------------------------------------------
 #: NOTE: interleave CP deals a batch's tokens out round robin (``layers/cp/interleave.py``) and
@@ -272,12 +274,6 @@ def _with_test_switches(cmd, env, args, flag_args, corrupt_rank, extra_args, ext
     return cmd, env
 
 
-#: 0.5.23 (interleave): what turns off the short-prompt dense MHA path (0.5.12.post1's
-#: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD, renamed with NSA -> DSA). NOTE: under prefill
-#: CP SGLang never takes it (``set_dsa_prefill_impl``: ``not is_dsa_enable_prefill_cp()``); it
-#: matters without CP (--tp 1), where that path would call FlashAttention 3, which the GPU
-#: bundle lacks. Set explicitly in every run (else SGLang sets it to index_topk and says so).
-DSA_DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
 #: the flag in 0.5.23's words (the plugin registers this spelling on 0.5.23 only)
 INTERLEAVE_FLAG = FLAG_ALIAS
 

@@ -122,7 +122,6 @@ import time
 from pathlib import Path
 
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
-from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
 from sglang_cp_shared_kv_testing.pd_servers import (
     ABORT_CAUSE,
@@ -175,10 +174,9 @@ PORTS_PER_RUN = 10
 #: decode's SGLANG_DISAGGREGATION_WAITING_TIMEOUT in every run (``pd_servers.run_env``'s default)
 WAITING_TIMEOUT_S = 60
 
-#: The prefill CP strategy of the installed SGLang (``releases``: in-seq-split on 0.5.12.post1,
-#: interleave on 0.5.23), which picks the pair's options and what is judged; the GPU-verified
-#: release's where no served SGLang is installed (the tests of this script's parts).
-CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
+#: The prefill CP strategy of the installed SGLang (``testing.server.CP_STRATEGY``), which picks
+#: the pair's options and what is judged.
+CP_STRATEGY = pd_servers.CP_STRATEGY
 INTERLEAVE = pd_servers.INTERLEAVE
 #: What does not apply under a CP strategy, and why (the report's ``not_applicable``): runs left
 #: out of its run list, checks replaced by what holds there. NOTE: on 0.5.23 every run's

@@ -41,7 +41,8 @@ from typing import Dict, NamedTuple, Optional
 from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv.settings.config import FLAG_ALIAS
 from sglang_cp_shared_kv_testing import shared_gpu
-from sglang_cp_shared_kv_testing.server import e2e_env, samples_by_rank
+# DSA_DENSE_THRESHOLD_ENV: set to 0 on both servers of an interleave pair (server.py says why)
+from sglang_cp_shared_kv_testing.server import DSA_DENSE_THRESHOLD_ENV, INTERLEAVE, e2e_env, samples_by_rank
 
 #: tokens decode generates for every request (greedy, ``ignore_eos``, with their logprobs)
 NEW_TOKENS = 8
@@ -56,14 +57,6 @@ ABORT_CAUSE = "the prefill aborted the request"
 #: release, interleave on 0.5.23), which picks the pair's options; the GPU-verified release's
 #: where no served SGLang is installed (the CPU tests of the scripts' parts).
 CP_STRATEGY = (installed.INSTALLED or installed.RECOMMENDED).cp_strategy
-INTERLEAVE = "interleave"
-#: interleave (0.5.23): the short-prompt dense MHA threshold, 0.5.12.post1's
-#: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD renamed NSA -> DSA (as in
-#: scripts/e2e_cp_logprobs.py). NOTE: SGLang never takes that path under prefill CP
-#: (``DeepseekSparseAttnBackend.set_dsa_prefill_impl``: ``not is_dsa_enable_prefill_cp()``); it
-#: would on a TP1 prefill (``--cp-size 1``), where it calls FlashAttention 3, which the GPU
-#: bundle lacks. Set to 0 on both servers (else SGLang sets it to index_topk and says so).
-DSA_DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
 #: interleave (0.5.23): decode's DSA backend per KV dtype. bf16: flashmla_sparse (SGLang's Hopper
 #: default there is fa3, not in the GPU bundle). fp8: flashmla_kv, SGLang's Hopper fp8 default,
 #: named so that no other GPU changes it: 0.5.23's flashmla_sparse decode hands the pool's raw

@@ -24,6 +24,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from sglang_cp_shared_kv_testing.shared_gpu import SHARED_GPU_LINE
 
+#: 0.5.23's prefill CP strategy, as its command line names it
+INTERLEAVE = "interleave"
+#: 0.5.23 (interleave): what turns off the short-prompt dense MHA path (0.5.12.post1's
+#: SGLANG_NSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD, renamed with NSA -> DSA). NOTE: under prefill
+#: CP SGLang never takes it (``set_dsa_prefill_impl``: ``not is_dsa_enable_prefill_cp()``); it
+#: matters without CP (--tp 1), where that path would call FlashAttention 3, which the GPU
+#: bundle lacks. Set explicitly in every run (else SGLang sets it to index_topk and says so).
+DSA_DENSE_THRESHOLD_ENV = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
+
 ROOT = Path(__file__).resolve().parents[2]
 E2E_SITE = ROOT / "scripts" / "e2e"
 

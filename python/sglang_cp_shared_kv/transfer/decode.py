@@ -48,14 +48,16 @@ class RoomDrains:
         self._failed = BoundedRooms()  # room -> FailedRoom
 
     def drained(self, room: int, prefill_rank: int) -> None:
-        with self._lock:
-            self._drained.put(room, (self._drained.get(room) or frozenset()) | {prefill_rank})
+        self._add(self._drained, room, prefill_rank)
 
     def success_seen(self, room: int, prefill_rank: int) -> None:
         """A Success for a room SGLang still tracks: SGLang's own, unless the room fails here
         before SGLang's thread reads it (then SGLang, finding the room cleared, drops it)."""
+        self._add(self._seen_success, room, prefill_rank)
+
+    def _add(self, ranks_by_room: BoundedRooms, room: int, prefill_rank: int) -> None:
         with self._lock:
-            self._seen_success.put(room, (self._seen_success.get(room) or frozenset()) | {prefill_rank})
+            ranks_by_room.put(room, (ranks_by_room.get(room) or frozenset()) | {prefill_rank})
 
     def failed(self, room: int, failure: FailedRoom) -> None:
         self._failed.put(room, failure)

@@ -153,8 +153,8 @@ class RoomFailureNotices:
 
     def tell_late_registration(self, kv_mgr, room, status) -> None:
         """After SGLang's bootstrap thread set ``room`` WaitingForInput (every decode target
-        registered it with this rank): the targets of a room aborted before that, not told
-        yet, are failed now instead of waiting for their timeout.
+        registered it with this rank): the targets of a room aborted or refused before that,
+        not told yet, are failed now instead of waiting for their timeout.
 
         NOTE: the lock is taken for every room that completes its registration, never skipped
         on an empty map read outside it: the scheduler thread may hold the lock mid-way through
@@ -169,8 +169,7 @@ class RoomFailureNotices:
             refused = self._refused_unregistered.pop(room)
         if refused is not None:
             message, told = refused
-            self._tell_decode(kv_mgr, room, message, tuple(info for info in room_targets(kv_mgr, room)
-                                                           if info.mooncake_session_id not in told))
+            self._tell_decode(kv_mgr, room, message, _untold(room_targets(kv_mgr, room), told))
             # (on SGLang's bootstrap thread, which has just registered the room's last target)
             forget_unsent_room(kv_mgr, room)
         if pending is not None:
@@ -178,8 +177,7 @@ class RoomFailureNotices:
             targets = room_targets(kv_mgr, room)
             mark_failed(targets, message)
             # (registered after the abort, so never written to: drained already)
-            self._tell_decode(kv_mgr, room, message,
-                              tuple(info for info in targets if info.mooncake_session_id not in told),
+            self._tell_decode(kv_mgr, room, message, _untold(targets, told),
                               drained=not installed.INSTALLED.deferred_decode_release)
 
     def _tell_decode(self, kv_mgr, room, message: str, targets, *, drained: bool = False) -> frozenset:
@@ -223,6 +221,11 @@ class RoomFailureNotices:
         for remote, dst_port in targets:
             send_failure_cause(kv_mgr, remote, dst_port, room, text)
         return reason
+
+
+def _untold(targets, told) -> tuple:
+    """The ``TransferInfo`` of ``targets`` whose session is not among ``told``."""
+    return tuple(info for info in targets if info.mooncake_session_id not in told)
 
 
 def forget_unsent_room(kv_mgr, room) -> None:
