@@ -287,6 +287,22 @@ def test_what_is_not_a_flag_on_failed_room_is_released_at_once(one_rank_group, c
     assert not holds.defer(req, lambda: None) and len(holds) == 0
 
 
+def test_sglangs_warmup_request_with_a_fake_receiver_passes_through(one_rank_group):
+    """SGLang's PD warmup queues a ``FakeKVReceiver`` (no manager, no prefill writing): the
+    flag-on ``pop_transferred`` hands it to SGLang unmarked. (The first GPU PD run of the hold,
+    2026-12-07, crashed every flag-on decode at warmup on ``receiver.kv_mgr``.)"""
+    from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
+    from sglang_cp_shared_kv.decode.failed_room_holds import HOLD_REQUEST_ATTR
+
+    queue, _, allocator, _ = transfer_queue(one_rank_group)
+    fake = FakeKVReceiver(None, "2.2.2.2:8998", bootstrap_room=FAILED_ROOM)
+    req = enqueue(queue, allocator, SimpleNamespace(bootstrap_room=FAILED_ROOM), "warmup")
+    queue.queue[-1].kv_receiver = fake
+    assert decode_server.failed_room_holds(queue) is not None
+    assert queue.pop_transferred() == [] and not hasattr(req, HOLD_REQUEST_ATTR)
+    assert [d.req.rid for d in queue.queue] == ["warmup"]
+
+
 def test_a_failed_room_noted_before_sglang_clears_it():
     """The hooked ``failure_exception`` reads the room's expected count and Success senders
     before SGLang's ``clear`` drops them, and still raises SGLang's error."""

@@ -121,8 +121,10 @@ def pop_transferred_holding_failed_rooms(original, transfer_queue, *args, **kwar
         return original(transfer_queue, *args, **kwargs)
     marked = []
     for decode_req in transfer_queue.queue:
-        receiver = decode_req.kv_receiver
-        drains = room_drains(receiver.kv_mgr) if receiver is not None else None
+        # NOTE: SGLang's PD warmup queues a FakeKVReceiver, which has no manager (and no
+        # prefill writing into its pages): nothing to hold
+        kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
+        drains = room_drains(kv_mgr) if kv_mgr is not None else None
         if drains is not None:
             setattr(decode_req.req, HOLD_REQUEST_ATTR, HoldRequest(holds, drains, decode_req.metadata_buffer_index))
             marked.append(decode_req.req)
