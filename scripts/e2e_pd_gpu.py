@@ -86,9 +86,11 @@ interleave) the pair takes 0.5.23's options (``pd_servers._interleave_commands``
 NSA variable renamed); the PD warm-up and the overlap schedule stay as stock has them. The
 every-CP-rank variable means what it means on 0.5.12.post1 (without it CP ranks but 0 are dummy
 senders and decode pulls from CP rank 0 alone; the flag refuses to start on either server
-without it), so the flag-off runs keep stock's default again. Every run applies there (the
-decode guard, the abort's notice and the e2e switches are on 0.5.23's call paths too; the
-report's ``not_applicable`` names what does not), with two differences in what is recorded
+without it), so the flag-off runs keep stock's default again. Every run applies there and every
+check is judged alike (read from its wheel: the every-CP-rank variable, the decode guard's
+``DecodePreallocQueue`` hooks, ``sender.abort()`` on an in-flight request, the switches' targets,
+the flag's notice of a prompt refused at intake on ``PrefillBootstrapQueue.add``), with two
+differences in what is recorded
 (over_logical at N = 2 is judged as on 0.5.12.post1: 0.5.23 retires a prompt its prefill refuses
 at intake and makes no sender, and the flag's prefill ranks tell decode themselves, naming the
 refusal; stock 0.5.23 leaves decode to fail it at its waiting timeout):
@@ -99,7 +101,7 @@ refusal; stock 0.5.23 leaves decode to fail it at its waiting timeout):
   position (``disaggregation/utils.filter_kv_indices_for_cp_rank``), CP rank 0 alone sending
   the index pages: ``stock_all_cp_ranks`` is expected all true there, still not judged.
 
-The report adds ``cp_strategy`` and ``not_applicable`` (the in-seq-split report is unchanged);
+The report adds ``cp_strategy`` (the in-seq-split report is unchanged);
 runs are kept under a tag of their own (``.interleave``), so a work folder shared with
 0.5.12.post1's runs never mixes the two.
 
@@ -178,16 +180,6 @@ WAITING_TIMEOUT_S = 60
 #: the pair's options and what is judged.
 CP_STRATEGY = pd_servers.CP_STRATEGY
 INTERLEAVE = pd_servers.INTERLEAVE
-#: What does not apply under a CP strategy, and why (the report's ``not_applicable``): runs left
-#: out of its run list, checks replaced by what holds there. NOTE: on 0.5.23 every run's
-#: mechanism is there (read from its wheel: the every-CP-rank variable, the decode guard's
-#: ``DecodePreallocQueue`` hooks, ``sender.abort()`` on an in-flight request, the switches'
-#: targets, the flag's notice of a prompt refused at intake on ``PrefillBootstrapQueue.add``),
-#: so no run is left out and every check applies.
-NOT_APPLICABLE = {
-    INTERLEAVE: {"runs": {}, "checks": {}},
-}
-
 
 RUNS = {
     "off": Run(False, POOL), "off_b": Run(False, POOL), "off_big": Run(False, BIG_POOL),
@@ -202,12 +194,9 @@ RUNS = {
 RUNS_WITHOUT_CP = ["off", "off_b", "off_big", "off_small_decode", "guarded_small_decode"]
 
 
-def runs_for(cp_size: int, cp_strategy=None):
-    """The runs of a CP size under ``cp_strategy`` (the installed release's unless given): those
-    NOT_APPLICABLE there left out."""
-    runs = list(RUNS) if cp_size > 1 else RUNS_WITHOUT_CP
-    left_out = NOT_APPLICABLE.get(cp_strategy or CP_STRATEGY, {}).get("runs", {})
-    return [name for name in runs if name not in left_out]
+def runs_for(cp_size: int):
+    """The runs of a CP size (the same under both CP strategies)."""
+    return list(RUNS) if cp_size > 1 else list(RUNS_WITHOUT_CP)
 #: (run, baseline, prompts): decode answers that must be bit-identical
 #: prompts posted right after the one they reuse, without a cache flush in between
 CACHED_PROMPTS = ("radix_hit", "radix_again", "chunked_again")
@@ -275,10 +264,9 @@ def run_env(args, run: Run, cp_strategy=None):
                               stall_s=STALL_S, cp_strategy=cp_strategy or CP_STRATEGY)
 
 
-def verdict(runs, cp_size=2, cp_strategy=None):
-    """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's;
-    ``cp_strategy``: kept for the callers that name it (the same checks under both strategies
-    since the flag tells decode of a prompt 0.5.23 refuses at intake)."""
+def verdict(runs, cp_size=2):
+    """Checks over the runs present (see the module docstring); ``cp_size``: the prefill's. The
+    same checks under both CP strategies (the flag tells decode of a prompt 0.5.23 refuses at intake)."""
     from sglang_cp_shared_kv.settings.config import FLAG
 
     checks = {}
@@ -471,11 +459,8 @@ def main() -> int:
     cp_runs = runs_for(args.cp_size)
     selected = cp_runs if args.runs is None else [r for r in args.runs.split(",") if r]
     unknown = sorted(set(selected) - set(cp_runs))
-    left_out = NOT_APPLICABLE.get(CP_STRATEGY, {}).get("runs", {})
     if unknown:
-        why = "".join(f"; {name} does not apply under {CP_STRATEGY}: {left_out[name]}"
-                      for name in unknown if name in left_out)
-        ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}{why}")
+        ap.error(f"runs {unknown} are not part of --cp-size {args.cp_size}; choose from {cp_runs}")
     args.tag = (f"cp{args.cp_size}.{args.kv_cache_dtype}" + (".stock-topk" if args.stock_topk else "")
                 + (".share-gpu" if args.share_gpu else "")
                 # NOTE: a work folder shared with the other release's runs never mixes them
@@ -532,7 +517,6 @@ def main() -> int:
             for prompt, entry in runs["off_all_ranks"]["prompts"].items() if prompt in STOCK_ANSWERED}
     if CP_STRATEGY == INTERLEAVE:  # NOTE: keys of the in-seq-split report unchanged
         report["cp_strategy"] = CP_STRATEGY
-        report["not_applicable"] = NOT_APPLICABLE[INTERLEAVE]
         if "stock_all_cp_ranks" in report:
             report["stock_all_cp_ranks_note"] = (
                 "0.5.23's every-CP-rank transfer splits a chunk's pages by position "

@@ -14,8 +14,8 @@ script judges there.
   cuda``; the GPU machine detects it);
 * the parts of the script that differ on 0.5.23 and need no SGLang: the run list, the over_logical
   check (the prefill retires a refused prompt at intake, and the flag's ranks tell decode: judged
-  as on 0.5.12.post1, "fails on decode at once, naming the cause"), the report's ``cp_strategy``
-  and ``not_applicable`` (empty), the runs' own tag.
+  as on 0.5.12.post1, "fails on decode at once, naming the cause"), the report's ``cp_strategy``,
+  the runs' own tag.
 """
 
 import argparse
@@ -256,9 +256,9 @@ def test_the_dsa_names_are_the_logprobs_scripts():
 
 
 # ------------------------------------------------------------------ what the script judges on 0.5.23
-def test_every_run_applies_on_interleave_and_the_script_says_what_does_not(pd):
-    assert pd.runs_for(2, INTERLEAVE) == list(pd.RUNS) and pd.runs_for(1, INTERLEAVE) == pd.RUNS_WITHOUT_CP
-    assert pd.NOT_APPLICABLE[INTERLEAVE] == {"runs": {}, "checks": {}}
+def test_every_run_applies_on_interleave(pd):
+    assert pd.CP_STRATEGY == INTERLEAVE
+    assert pd.runs_for(2) == list(pd.RUNS) and pd.runs_for(1) == pd.RUNS_WITHOUT_CP
 
 
 def _records(pd):
@@ -293,7 +293,7 @@ def test_over_logical_at_cp2_is_judged_as_on_0512(pd):
     A decode that waited for its timeout (stock 0.5.23), answered it, or failed it without the
     cause fails the check."""
     check = "on fails over_logical on decode at once"
-    checks = pd.verdict(_records(pd), 2, INTERLEAVE)
+    checks = pd.verdict(_records(pd), 2)
     assert checks[check] and not any("within its waiting timeout" in name for name in checks)
     assert all(checks.values()), {k: v for k, v in checks.items() if not v}
     for change in (
@@ -303,10 +303,9 @@ def test_over_logical_at_cp2_is_judged_as_on_0512(pd):
     ):
         runs = _records(pd)
         change(runs["on"]["prompts"]["over_logical"])
-        assert not pd.verdict(runs, 2, INTERLEAVE)[check]
-    # the same check under in-seq-split, and from N = 3 the ranks hold it (on = off_big) under both
-    assert pd.verdict(_records(pd), 2, "in-seq-split")[check]
-    assert check not in pd.verdict(_records(pd), 4, INTERLEAVE)
+        assert not pd.verdict(runs, 2)[check]
+    # from N = 3 the ranks hold it (on = off_big)
+    assert check not in pd.verdict(_records(pd), 4)
 
 
 def test_the_interleave_report_names_its_strategy_what_does_not_apply_and_keeps_its_own_runs(pd, tmp_path,
@@ -333,7 +332,7 @@ def test_the_interleave_report_names_its_strategy_what_does_not_apply_and_keeps_
     assert report["runs"] == ["off", "off_big", "on", "on_corrupt"]  # the other release's off_b left alone
     assert sorted(p.name for p in work.glob("*.interleave.json")) == [
         f"{name}.cp2.bfloat16.share-gpu.interleave.json" for name in ("off", "off_big", "on", "on_corrupt")]
-    assert report["cp_strategy"] == INTERLEAVE and report["not_applicable"] == pd.NOT_APPLICABLE[INTERLEAVE]
+    assert report["cp_strategy"] == INTERLEAVE and "not_applicable" not in report
     assert report["checks"]["on fails over_logical on decode at once"]
     assert not report["pass"]
 
@@ -346,7 +345,7 @@ def test_the_in_seq_split_report_keeps_its_keys(pd, tmp_path, monkeypatch):
                                       "--out", str(tmp_path / "pd.json")])
     pd.main()
     report = json.loads((tmp_path / "pd.json").read_text())
-    assert "cp_strategy" not in report and "not_applicable" not in report
+    assert "cp_strategy" not in report
     assert (tmp_path / "w" / "off.cp2.bfloat16.json").exists()
 
 
