@@ -451,6 +451,16 @@ def _refused_request(room, message="Input length (9000) exceeds the maximum allo
     return req
 
 
+def _unrefused_request(room, *, tokens):
+    """A real 0.5.23 ``Req`` of ``tokens`` prompt tokens that intake has not refused, for ``room``."""
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(f"room-{room}", "", list(range(2, 2 + tokens)), SamplingParams(max_new_tokens=4))
+    req.bootstrap_room, req.bootstrap_host = room, "127.0.0.1"
+    return req
+
+
 def _intake(mgr, req, *, max_input_len=8192):
     """0.5.23's real ``PrefillBootstrapQueue.add`` under the hook, on a queue holding what it
     reads; the requests the scheduler retired and answered."""
@@ -568,20 +578,40 @@ def test_a_registration_completing_during_the_refusal_is_told(monkeypatch):
 def test_a_prompt_over_the_capacity_check_is_refused_the_same_way():
     """PrefillBootstrapQueue.add's other way out without a sender: create_sender's capacity check
     (a prompt over the queue's max_input_len, SGLang's prepare_abort): decode told with its reason."""
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.sampling.sampling_params import SamplingParams
-
     mgr = make_manager()
     mgr.req_to_decode_prefix_len = {}
     told = []
     prefill.prefill_transfer(mgr)._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(m))
     _register(mgr, 34, "127.0.0.1:7000")
-    req = Req("room-34", "", list(range(2, 200)), SamplingParams(max_new_tokens=4))
-    req.bootstrap_room, req.bootstrap_host = 34, "127.0.0.1"
+    req = _unrefused_request(34, tokens=198)
     out = _intake(mgr, req, max_input_len=100)
     assert out.answered == [req] and not out.retired
     (frames,) = told
     assert "intake: Request room-34 exceeds the maximum number of tokens: 198 > 100" in _refusals(frames)[0][0]
+
+
+@pytest.mark.parametrize("how", ["is_unadmitted_reject", "capacity check"])
+def test_a_warmup_request_refused_at_intake_is_not_a_failed_transfer(how):
+    """SGLang's own fake requests (the PD warmup, ``--warmups prefill_shapes`` up to 32K tokens,
+    ``/health_generate``: FAKE_BOOTSTRAP_HOST, room 0) have no decode: a refusal at intake tells
+    no one, counts no refused transfer and keeps no room for a registration that never comes.
+    A real request's refusal of the same room is still told (the control)."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    mgr = make_manager()
+    mgr.req_to_decode_prefix_len = {}
+    context = prefill.prefill_transfer(mgr)
+    told = []
+    context._abort_notices = SimpleNamespace(send=lambda r, p, m: told.append(m))
+    for host in (FAKE_BOOTSTRAP_HOST, "127.0.0.1"):
+        req = _refused_request(0) if how == "is_unadmitted_reject" else _unrefused_request(0, tokens=198)
+        req.bootstrap_host = host
+        out = _intake(mgr, req, max_input_len=100)
+        assert (out.retired if how == "is_unadmitted_reject" else out.answered) == [req]  # SGLang's refusal ran
+        if host == FAKE_BOOTSTRAP_HOST:
+            assert told == [] and prefill.transfer_stats(mgr)["refused_requests"] == 0
+            assert context._refused_unregistered.get(0) is None
+    assert prefill.transfer_stats(mgr)["refused_requests"] == 1 and context._refused_unregistered.get(0) is not None
 
 
 def test_flag_off_a_prompt_refused_at_intake_is_stock():

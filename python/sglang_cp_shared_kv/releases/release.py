@@ -24,6 +24,7 @@ COMMON_SYMBOLS: SymbolTable = {
     "KVPoll": ("sglang.srt.disaggregation.base.conn", "KVPoll"),
     "StateType": ("sglang.srt.disaggregation.base.conn", "StateType"),
     "DisaggregationMode": ("sglang.srt.disaggregation.utils", "DisaggregationMode"),
+    "FAKE_BOOTSTRAP_HOST": ("sglang.srt.disaggregation.utils", "FAKE_BOOTSTRAP_HOST"),
     "MooncakeKVManager": ("sglang.srt.disaggregation.mooncake.conn", "MooncakeKVManager"),
     "NetworkAddress": ("sglang.srt.utils.network", "NetworkAddress"),
     # --- the decode server (its admission queue)

@@ -89,7 +89,10 @@ def fail_room_refused_at_intake(original, queue, req, *args, **kwargs):
     (:meth:`.room_failures.RoomFailureNotices.fail_refused_room`)."""
     result = original(queue, req, *args, **kwargs)
     room = getattr(req, "bootstrap_room", None)
-    if room is None or getattr(req, "disagg_kv_sender", None) is not None:
+    # NOTE: a warmup or /health_generate request (FAKE_BOOTSTRAP_HOST, room 0 or the DP rank)
+    # has no decode to tell: SGLang's refusal of one is not a failed transfer
+    if (room is None or getattr(req, "disagg_kv_sender", None) is not None
+            or getattr(req, "bootstrap_host", None) == sg.FAKE_BOOTSTRAP_HOST):
         return result
     context = prefill_transfer(queue.kv_manager)
     if context is not None:
