@@ -303,3 +303,18 @@ def test_with_sglangs_strict_check_the_leak_is_published_before_the_server_stops
         server.on_idle()
     record = _published(1)
     assert record["sglang_leak"] == 1 and record["leaked_pages"] == 1 and record["cp_size"] == 2
+
+
+def test_on_idle_runs_even_where_the_audit_cannot_tell_whether_it_applies(tiny_nsa_model, monkeypatch):
+    """_applies raising (here: the observability config unreadable) leaves SGLang's on_idle running, unaudited."""
+    from sglang_cp_shared_kv import sglang_api as sg
+
+    server = Server(tiny_nsa_model, cp_size=6, rank=3, pages_per_rank=4)
+    ran = []
+    with server.rank.active():
+        assert idle_pool_audit.mark_idle_check(lambda s: ran.append(idle_pool_audit._IDLE_SCHEDULER.get()) or "done",
+                                               server.scheduler) == "done"
+        monkeypatch.setattr(sg, "get_observability", lambda: 1 / 0, raising=False)
+        assert idle_pool_audit.mark_idle_check(lambda s: ran.append(idle_pool_audit._IDLE_SCHEDULER.get()) or "done",
+                                               server.scheduler) == "done"
+    assert ran == [server.scheduler, None]  # the control: named while it applies; not named, but run, after

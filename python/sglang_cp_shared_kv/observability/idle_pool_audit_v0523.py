@@ -67,12 +67,15 @@ one warning and never disturbs SGLang's check.
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import Dict
 
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import is_enabled
 from sglang_cp_shared_kv.observability.idle_pool_audit import (AUDIT_METRIC, FIELDS, audit_when_changed,
                                                                held_locations_of_tree, pool_record)
+
+logger = logging.getLogger(__name__)
 
 #: the scheduler whose ``on_idle`` runs on this thread (None elsewhere: the watchdog's thread)
 _IDLE_SCHEDULER: contextvars.ContextVar = contextvars.ContextVar("cp_shared_kv_idle_scheduler", default=None)
@@ -90,7 +93,13 @@ def _applies(scheduler) -> bool:
 def mark_idle_check(original, scheduler, *args, **kwargs):
     """AROUND ``Scheduler.on_idle``: the scheduler named, on this thread, while its idle
     housekeeping (SGLang's idle pool check among it) runs (module docstring)."""
-    if not _applies(scheduler):
+    try:
+        applies = _applies(scheduler)
+    except Exception:  # noqa: BLE001 -- the audit must never disturb SGLang's idle housekeeping
+        logger.warning("CP shared KV: the idle pool audit could not tell whether it applies; not audited",
+                       exc_info=True)
+        applies = False
+    if not applies:
         return original(scheduler, *args, **kwargs)
     token = _IDLE_SCHEDULER.set(scheduler)
     try:
