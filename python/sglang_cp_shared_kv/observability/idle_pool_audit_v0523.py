@@ -5,7 +5,7 @@ check verdict and the KV pool page by page on :data:`~.idle_pool_audit.AUDIT_MET
 ``scripts/soak_pd.py`` can tell that a load leaked no page.
 
 Where 0.5.23 checks the idle pool (paths under ``sglang/srt/``): ``Scheduler.on_idle``
-(``managers/scheduler.py`` 5240-5329) returns at once unless ``is_fully_idle()`` (5255;
+(``managers/scheduler.py`` 5240-5329) returns at once unless ``is_fully_idle()`` (5254-5255;
 5337-5406: the PD bootstrap, in-flight, preallocation, transfer and deferred-release queues
 count as work), and skips the check under HiSparse or while a decode server holds deferred
 KV releases (5282-5291); otherwise it calls ``self.invariant_checker._check_all_pools(
@@ -16,9 +16,9 @@ and 858, ``decode.py`` 3159 and 3220). The check moved off the scheduler: it is
 ``SchedulerInvariantChecker`` (``managers/scheduler_components/invariant_checker.py``, a
 slotted dataclass holding the allocator, tree cache, request pool, pool-stats observer and
 ``max_total_num_tokens``, but not the scheduler): ``_check_all_pools`` (461-482) ->
-``_check_full_pool`` (97-172) -> ``_check_pool_invariant`` (78-95): ``available + evictable
+``_check_full_pool`` (97-173) -> ``_check_pool_invariant`` (78-95): ``available + evictable
 + protected + session_held + uncached == total``, with ``available`` the allocator's
-``available_size()`` and ``evictable`` the tree's (``pool_stats_observer.py`` 235-247),
+``available_size()`` and ``evictable`` the tree's (``pool_stats_observer.py`` 235-246),
 ``session_held`` from the observer (197-199) and ``total`` the checker's
 ``max_total_num_tokens``. SGLang's watchdog calls the same ``_check_all_pools`` from its own
 thread, mid-batch, to dump state (``invariant_checker.py`` 508).
@@ -44,17 +44,19 @@ runs short (``get_all_free_pages``, paged.py 171-172; ``_release_page_ids`` 375-
 ``available_size()`` counts both (168-169). The tree cache is 0.5.23's ``UnifiedRadixCache``
 (``mem_cache/registry.py`` 83-146: also with the radix cache disabled), whose
 ``all_values_flatten`` (``unified_radix_cache.py`` 3831) lists the device KV locations of
-every node and leaves out a node HiCache evicted to host memory (its value None:
-``unified_cache/unified_tree_core.py`` 3433-3446; the default Rust core answers the same
-call); a tree without it (0.5.23's older ``RadixCache``) is walked node by node. Its values
-are logical locations, so SGLang's invariant holds over logical tokens as on a stock server,
-and logical page ``p`` is physical page ``(p - 1) div N + 1`` of rank ``(p - 1) mod N``
+every node and, in the Python tree core, leaves out a node HiCache evicted to host memory
+(its value None: ``unified_cache/unified_tree_core.py`` 3433-3446); the default Rust core
+(``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND``, ``environ.py`` 741) answers the same call from
+its compiled binding (``rust_tree_core/adapter.py`` 741-742: the device-resident cases are
+tested on both cores; a host-evicted node on the Rust core is not); a tree without it
+(0.5.23's older ``RadixCache``) is walked node by node. Its values are logical locations,
+so SGLang's invariant holds over logical tokens as on a stock server, and logical page ``p`` is physical page ``(p - 1) div N + 1`` of rank ``(p - 1) mod N``
 (:mod:`.cp_shared_kv_layout`; interleave computes every page on every rank, so no page has
 a computing rank, but the owner rule is the same): a physical page of rank ``r`` is leaked
 exactly when its logical page is, and the ``rank_*`` fields count rank ``r``'s own pages.
 Every rank schedules alike, so the ranks must agree. Decode (flag on there: stock
 allocator, no CP) is audited as one rank (its tensor-parallel rank), its request slots
-including the preallocation headroom as ``_check_req_pool`` counts them (428-449).
+including the preallocation headroom as ``_check_req_pool`` counts them (428-450).
 
 What it does not cover: a check SGLang skips (HiSparse, deferred decode releases pending),
 hybrid SWA / SSM pools, an upstream widened allocator (``page_interleave_shard_size`` > 1),
@@ -120,7 +122,8 @@ def held_locations(tree_cache, device):
 def audit(checker, pool_stats, sglang_leak: bool, uncached: int = 0) -> Dict[str, float]:
     """The pool SGLang's ``checker`` just checked (``pool_stats``: the figures it compared),
     page by page, SGLang's verdict ``sglang_leak`` beside it."""
-    allocator, tree_cache, observer = checker.token_to_kv_pool_allocator, checker.tree_cache, checker.pool_stats_observer
+    allocator, tree_cache = checker.token_to_kv_pool_allocator, checker.tree_cache
+    observer = checker.pool_stats_observer
     layout = getattr(allocator, "cp_layout", None)  # the shared-KV allocator's; decode: none
     cp_size, cp_rank = (layout.cp_size, layout.cp_rank) if layout is not None else (1, 0)
     free = allocator.get_all_free_pages()
