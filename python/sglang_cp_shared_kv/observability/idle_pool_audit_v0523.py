@@ -50,7 +50,8 @@ every node and, in the Python tree core, leaves out a node HiCache evicted to ho
 its compiled binding (``rust_tree_core/adapter.py`` 741-742: the device-resident cases are
 tested on both cores; a host-evicted node on the Rust core is not); a tree without it
 (0.5.23's older ``RadixCache``) is walked node by node. Its values are logical locations,
-so SGLang's invariant holds over logical tokens as on a stock server, and logical page ``p`` is physical page ``(p - 1) div N + 1`` of rank ``(p - 1) mod N``
+so SGLang's invariant holds over logical tokens as on a stock server, and logical page
+``p`` is physical page ``(p - 1) div N + 1`` of rank ``(p - 1) mod N``
 (:mod:`.cp_shared_kv_layout`; interleave computes every page on every rank, so no page has
 a computing rank, but the owner rule is the same): a physical page of rank ``r`` is leaked
 exactly when its logical page is, and the ``rank_*`` fields count rank ``r``'s own pages.
