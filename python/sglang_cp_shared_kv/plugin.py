@@ -178,14 +178,15 @@ def _hooks_v0512() -> Tuple[HookSpec, ...]:
 @functools.cache
 def _hooks_v0523() -> Tuple[HookSpec, ...]:
     """SGLang 0.5.23: the settings layer (:mod:`.settings.server_args_v0523`), the
-    pool and capacity (:mod:`.pool.capacity_v0523`), the forward path under interleave CP
+    pool and capacity (:mod:`.pool.capacity_v0523`), the idle pool audit
+    (:mod:`.observability.idle_pool_audit_v0523`), the forward path under interleave CP
     (:mod:`.forward.hooks_v0523`), HiCache's host and storage tiers (:mod:`.hicache.hooks_v0523`), the decode
     server (:mod:`.decode.server_v0523`) and the PD
     transfer (:mod:`.transfer.hooks`, :mod:`.transfer.hooks_v0523` where 0.5.23 changed the
     target's shape)."""
     from sglang_cp_shared_kv.pool import capacity_v0523
     from sglang_cp_shared_kv.decode import server_v0523 as decode_server_dsa
-    from sglang_cp_shared_kv.observability import metrics
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0523 as idle_pool_audit, metrics
     from sglang_cp_shared_kv.settings import server_args_v0523 as dsa
     from sglang_cp_shared_kv.forward import hooks_v0523 as forward
     from sglang_cp_shared_kv.hicache import hooks_v0523 as hicache
@@ -202,6 +203,11 @@ def _hooks_v0523() -> Tuple[HookSpec, ...]:
         HookSpec(f"{_KV_CONFIGURATOR}.configure", capacity_v0523.configure_shared_pools, "around"),
         HookSpec("sglang.srt.managers.scheduler.Scheduler.emit_metrics_constants",
                  metrics.emit_physical_capacity_with_constants, "after"),
+        # an idle scheduler's pool page by page, beside SGLang's own idle check (--enable-metrics): the
+        # check moved to the invariant checker, which the watchdog calls too; the audit takes on_idle's only
+        HookSpec("sglang.srt.managers.scheduler.Scheduler.on_idle", idle_pool_audit.mark_idle_check, "around"),
+        HookSpec("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker"
+                 "._check_all_pools", idle_pool_audit.audit_idle_pools, "after"),
         # --- forward path (interleave CP): owner-only writes of the gathered chunk, dense-view reads
         HookSpec(f"{_DSA_BACKEND}.init_forward_metadata", forward.attach_batch_state, "after"),
         HookSpec(f"{_DSA_INDEXER}._store_index_k_cache", forward.store_index_k_owned_and_dense, "around"),

@@ -54,10 +54,11 @@ def _problems(server_args):
 
 def test_the_0523_table_is_registered_and_every_hook_is_in_place(plugin_loaded):
     table = plugin.hooks_for(v0523.RELEASE)
-    # settings layer, pool and capacity, metrics, decode server (10); the forward path (4) and its agreement
-    # point after ModelRunner.forward (1); HiCache's host tier (4) and its storage tier (2: the backend, the
-    # external layout); the PD transfer (14: with the refusal at intake, PrefillBootstrapQueue.add)
-    assert set(table) <= set(plugin_loaded) and len(table) == 10 + 4 + 1 + 4 + 2 + 14
+    # settings layer, pool and capacity, metrics, decode server (10); the idle pool audit (2: around
+    # Scheduler.on_idle, after SchedulerInvariantChecker._check_all_pools); the forward path (4) and its
+    # agreement point after ModelRunner.forward (1); HiCache's host tier (4) and its storage tier (2: the
+    # backend, the external layout); the PD transfer (14: with the refusal at intake, PrefillBootstrapQueue.add)
+    assert set(table) <= set(plugin_loaded) and len(table) == 10 + 2 + 4 + 1 + 4 + 2 + 14
     assert missing_hooks(table) == []
     forward = {spec.target.rsplit(".", 2)[-2] + "." + spec.target.rsplit(".", 1)[-1] for spec in table
                if ".dsa" in spec.target}

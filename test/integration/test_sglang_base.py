@@ -96,7 +96,7 @@ def test_on_0523_the_table_holds_every_concern():
     test_transfer_mooncake_e2e.py run them against 0.5.23's real classes)."""
     from sglang_cp_shared_kv.pool import capacity_v0523 as capacity_dsa
     from sglang_cp_shared_kv.decode import server_v0523 as decode_server_dsa
-    from sglang_cp_shared_kv.observability import metrics
+    from sglang_cp_shared_kv.observability import idle_pool_audit_v0523 as idle_pool_audit, metrics
     from sglang_cp_shared_kv.settings import server_args_v0523 as server_args_dsa
     from sglang_cp_shared_kv.forward import hooks as forward
     from sglang_cp_shared_kv.forward import hooks_v0523 as forward_dsa
@@ -110,7 +110,7 @@ def test_on_0523_the_table_holds_every_concern():
     assert installed.for_version(v0523.RELEASE.version) is v0523.RELEASE
     assert {spec.hook.__module__ for spec in table} == {server_args_dsa.__name__, capacity_dsa.__name__,
                                                          forward_dsa.__name__, decode_server_dsa.__name__,
-                                                         metrics.__name__,
+                                                         metrics.__name__, idle_pool_audit.__name__,
                                                          forward.__name__,  # the agreement point: both releases
                                                          transfer.__name__, transfer_dsa.__name__,
                                                          # HiCache's host tier (the lane hooks: both releases)
@@ -129,6 +129,9 @@ def test_on_0523_the_table_holds_every_concern():
         (f"{configurator}._resolve_memory_pool_config", "after"),
         (f"{configurator}.configure", "around"),
         ("sglang.srt.managers.scheduler.Scheduler.emit_metrics_constants", "after"),
+        ("sglang.srt.managers.scheduler.Scheduler.on_idle", "around"),  # the idle pool audit
+        ("sglang.srt.managers.scheduler_components.invariant_checker.SchedulerInvariantChecker._check_all_pools",
+         "after"),
         (f"{backend}.init_forward_metadata", "after"),
         (f"{backend}.forward_extend", "around"),
         (f"{indexer}._store_index_k_cache", "around"),

@@ -18,6 +18,8 @@ SYMBOLS: SymbolTable = {
     "MLATokenToKVPool": ("sglang.srt.mem_cache.memory_pool", "MLATokenToKVPool"),
     "unwrap_write_loc": ("sglang.srt.mem_cache.memory_pool", "unwrap_write_loc"),
     "PagedTokenToKVPoolAllocator": ("sglang.srt.mem_cache.allocator", "PagedTokenToKVPoolAllocator"),
+    # a widened (upstream KV-sharding) allocator: 1 for ours and the stock paged one (the idle pool audit)
+    "page_interleave_shard_size": ("sglang.srt.mem_cache.allocator.page_interleave", "page_interleave_shard_size"),
     "kv_cache_configurator": ("sglang.srt.mem_cache.kv_cache_configurator", None),
     "get_parallel": ("sglang.srt.runtime_context", "get_parallel"),
     "get_observability": ("sglang.srt.runtime_context", "get_observability"),  # --enable-metrics
