@@ -3,7 +3,8 @@
 requests of every shape, and are whole afterwards -- every request ended, no page leaked,
 the answers the ones a quiet server gives.
 
-Phases (each one PD pair: prefill TPN + NSA prefill CPN in-seq-split, decode TP1, Mooncake,
+Phases (each one PD pair: prefill TPN + prefill CPN by the installed release's CP strategy
+(``testing.pd_servers``: NSA in-seq-split on 0.5.12.post1, interleave on 0.5.23), decode TP1, Mooncake,
 the tiny random DeepSeek-V3.2 of ``scripts/e2e_pd_gpu.py`` with 32K positions, the
 deterministic top-k stand-in unless ``--stock-topk``, ``--chunked-prefill-size`` CHUNK,
 the prefill's pool ``--pool`` tokens per rank, decode's DECODE_POOL = (2N - 1) / 2 x that;
@@ -49,8 +50,9 @@ Checks (``checks`` in the JSON, each with its figures; ``stock`` holds the off p
 * the prefill's radix cache hit the shared prefixes and evicted them;
 * no leaked page on any prefill CP rank and on decode, read from the allocators after the
   load, once every scheduler went idle: the plugin's idle pool audit
-  (``sglang_cp_shared_kv.observability.idle_pool_audit_v0512``: SGLang's own idle check and the pool page by
-  page, published on ``/metrics`` with ``--enable-metrics``), and no leak line of SGLang's
+  (``sglang_cp_shared_kv.observability.idle_pool_audit``, each release's hooks beside it:
+  SGLang's own idle check and the pool page by page, published on ``/metrics`` with
+  ``--enable-metrics``), and no leak line of SGLang's
   own idle check in either log (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=0``: a leak is
   logged and the server kept up to be measured, not stopped);
 * both servers alive after the load and after the one-at-a-time requests;
@@ -70,9 +72,15 @@ first: ``SOAK_SEED`` of ``scripts/gpu_session.sh``); the report covers every pha
 and passes when on and off are there and every judged check passes. JSON to --out and
 stdout.
 
-SGLang 0.5.12.post1 only: the idle pool audit and the abort checks are that release's; on
-0.5.23 the script stops before starting a server and says so (scripts/e2e_pd_gpu.py runs
-0.5.23's pair).
+On 0.5.23 the same phases and checks run on 0.5.23's pair (``pd_servers._interleave_commands``,
+as ``scripts/e2e_pd_gpu.py``), with its idle pool audit (``observability/idle_pool_audit_v0523.py``);
+its records carry a tag of their own (``.interleave``), so a work folder shared with
+0.5.12.post1's phases never mixes the two. What differs there: an abort lands on decode with
+the plugin's bootstrap/in-flight text wherever it was aborted (0.5.23's waiting-queue abort calls
+``sender.abort()`` too); stock (off, recorded) retires at intake, with no sender, a prompt its
+prefill refuses, and its decode fails it at its waiting timeout (WAITING_TIMEOUT_S) instead of
+answering it; decode frees a failed room's pages itself once every prefill rank acknowledged,
+at most 30 s, so the fault phase's decode audit waits out that release. Not yet run on a GPU.
 
 Usage: python scripts/soak_pd.py --out soak.json --cp-size 4 --share-gpu [--phases on,off,fault]
                                  [--parallel 2] [--kv-cache-dtype fp8_e4m3] [--requests 200]
@@ -95,8 +103,8 @@ from typing import Dict, List, NamedTuple, Optional
 from sglang_cp_shared_kv.settings.config import FLAG
 from sglang_cp_shared_kv.decode.admission import DEFAULT_RESERVED_DECODE_TOKENS
 from sglang_cp_shared_kv.hicache.metrics import HICACHE_PAGES_METRIC
-from sglang_cp_shared_kv.observability.idle_pool_audit_v0512 import AUDIT_METRIC, leak_found
-from sglang_cp_shared_kv.releases import installed, v0512
+from sglang_cp_shared_kv.observability.idle_pool_audit import AUDIT_METRIC, leak_found
+from sglang_cp_shared_kv.releases import installed
 from sglang_cp_shared_kv_testing import pd_servers, shared_gpu
 from sglang_cp_shared_kv_testing.pd_load import (
     LoadShape,
@@ -413,7 +421,7 @@ def run_phase(name: str, args, work: Path) -> Dict:
         ended = [r["decode"]["status"] for r in load["requests"]]
         print(f"[soak] {name}: load ended in {load['wall_s']} s: " + ", ".join(
             f"{s} {ended.count(s)}" for s in sorted(set(ended))), flush=True)
-        if phase.flag_on:  # the audit is the flag's (observability/idle_pool_audit_v0512.py)
+        if phase.flag_on:  # the audit is the flag's (observability/idle_pool_audit*.py)
             ranks = {"decode": 1} if phase.kill_rank else {"prefill": args.cp_size, "decode": 1}
             record["idle_audit"] = wait_for_idle_audits(ports, ranks, load["t_end_unix"] + SETTLE_S,
                                                         args.idle_wait if args.idle_wait is not None else IDLE_WAIT_S)
@@ -771,7 +779,10 @@ def main() -> int:
     ap.add_argument("--out", default="soak_pd.json")
     ap.add_argument("--workdir", default="soak-work")
     ap.add_argument("--logdir", default=None, help="server logs (default: --workdir)")
-    ap.add_argument("--cp-size", type=int, default=4, help=f"prefill CP size ({', '.join(map(str, v0512.RELEASE.served_cp_sizes))})")
+    release = installed.INSTALLED or installed.RECOMMENDED
+    # NOTE: the flag needs prefill CP, within one node; a release that does not serve every size says which
+    cp_sizes = release.served_cp_sizes or tuple(range(2, 9))
+    ap.add_argument("--cp-size", type=int, default=4, help=f"prefill CP size ({', '.join(map(str, cp_sizes))})")
     ap.add_argument("--phases", default="on,off", help=f"phases to run now, of {','.join(PHASES)}")
     ap.add_argument("--kv-cache-dtype", choices=("bfloat16", "fp8_e4m3"), default="bfloat16")
     ap.add_argument("--stock-topk", action="store_true", help="keep SGLang's top-k kernels (no exact verdict)")
@@ -798,13 +809,9 @@ def main() -> int:
     ap.add_argument("--hicache-ratio", type=float, default=None,
                     help="the prefill with HiCache's host tier, R x a rank's device pool (PD with host hits)")
     args = ap.parse_args()
-    release = installed.INSTALLED or installed.RECOMMENDED
-    if release is not v0512.RELEASE:  # NOTE: its checks read that release's idle pool audit and abort rules
-        ap.error(f"sglang {release.version} is installed: this script judges sglang {v0512.RELEASE.version}'s "
-                 "pair only (the idle pool audit it reads, observability/idle_pool_audit_v0512.py, and its abort "
-                 f"checks are that release's); scripts/e2e_pd_gpu.py runs sglang {release.version}'s pair")
-    if args.cp_size not in v0512.RELEASE.served_cp_sizes:  # the flag needs prefill CP; the plugin refuses other sizes
-        ap.error(f"--cp-size {args.cp_size}: choose one of {v0512.RELEASE.served_cp_sizes} (releases/v0512.py: served_cp_sizes)")
+    if args.cp_size not in cp_sizes:
+        ap.error(f"--cp-size {args.cp_size}: choose one of {cp_sizes} (sglang {release.version}"
+                 + (": releases' served_cp_sizes)" if release.served_cp_sizes else ": prefill CP on one node)"))
     selected = [p for p in args.phases.split(",") if p]
     unknown = sorted(set(selected) - set(PHASES))
     if unknown:
@@ -818,7 +825,9 @@ def main() -> int:
                 + (".stock-topk" if args.stock_topk else "") + (".share-gpu" if args.share_gpu else "")
                 + (f".hicache{args.hicache_ratio:g}" if args.hicache_ratio else "")
                 # NOTE: decode's batch bound changes what "alone vs under load" can hold: its own records
-                + (f".decode-max{args.decode_max_running_requests}" if args.decode_max_running_requests else ""))
+                + (f".decode-max{args.decode_max_running_requests}" if args.decode_max_running_requests else "")
+                # NOTE: a work folder shared with the other release's phases never mixes them
+                + (f".{pd_servers.INTERLEAVE}" if pd_servers.CP_STRATEGY == pd_servers.INTERLEAVE else ""))
     work = Path(args.workdir)
     args.logdir = Path(args.logdir) if args.logdir else work
     args.logdir.mkdir(parents=True, exist_ok=True)

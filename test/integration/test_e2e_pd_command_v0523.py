@@ -361,15 +361,53 @@ def test_the_0512_commands_are_not_touched_by_the_interleave_ones(pd):
     assert "--tp" in old[1] and "--tp-size" in new[1]
 
 
+# ------------------------------------------------------------------ scripts/soak_pd.py on 0.5.23
 @needs_v0523
-def test_the_soak_refuses_0523_naming_what_it_lacks(monkeypatch, capsys):
-    """scripts/soak_pd.py reads 0.5.12.post1's idle pool audit: on 0.5.23 it stops before
-    starting a server, naming why and the script that runs 0.5.23's pair."""
+@pytest.mark.parametrize("phase,dtype,cp_size", [("on", "bfloat16", 2), ("off", "fp8_e4m3", 2),
+                                                 ("fault", "bfloat16", 4), ("on", "fp8_e4m3", 4)])
+def test_the_soaks_pair_passes_0523s_checks(hopper, tmp_path, monkeypatch, phase, dtype, cp_size):
+    """The soak's phases build 0.5.23's interleave pair (``pd_servers``, as the e2e script), both
+    servers with ``--enable-metrics`` (its idle pool audit is read there), and pass 0.5.23's
+    parser, resolution, stock checks and the flag's."""
+    from sglang_cp_shared_kv import sglang_api as sg
+    from sglang_cp_shared_kv.settings.config import FLAG_DEST
+    from sglang_cp_shared_kv.settings.server_args_v0523 import configuration_problems
+    from sglang_cp_shared_kv_testing.server import write_model
+
     soak = load_script("soak_pd")
-    monkeypatch.setattr(sys, "argv", ["soak_pd.py", "--cp-size", "2", "--share-gpu"])
+    args = argparse.Namespace(model=write_model(tmp_path / "model", soak.MODEL), kv_cache_dtype=dtype,
+                              cp_size=cp_size, stock_topk=False, share_gpu=True, port=23000, pool=soak.POOL,
+                              decode_max_running_requests=None, hicache_ratio=None)
+    prefill, decode = soak.server_commands(args, phase, soak.phase_ports(args, phase))
+    env = soak.phase_env(args, phase)
+    assert env["SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE"] == "0"
+    p, d = _resolve(prefill, env, monkeypatch), _resolve(decode, env, monkeypatch)
+    flag_on = soak.PHASES[phase].flag_on
+    assert getattr(p, FLAG_DEST) is flag_on and getattr(d, FLAG_DEST) is flag_on
+    for side in (p, d) if flag_on else ():
+        assert configuration_problems(side) == []
+    cfg, dcfg = sg.resolved_view(p), sg.resolved_view(d)
+    assert (cfg.enable_prefill_cp, cfg.cp_strategy, cfg.attn_cp_size) == (True, INTERLEAVE, cp_size)
+    assert cfg.enable_metrics and dcfg.enable_metrics
+    assert (cfg.max_total_tokens, dcfg.max_total_tokens) == (soak.POOL, soak.decode_pool_for(cp_size, soak.POOL))
+
+
+@needs_v0523
+def test_the_soak_on_0523_keeps_its_phases_apart_and_refuses_what_0523_does_not_serve(monkeypatch, tmp_path, capsys):
+    """Its records carry the interleave tag (a work folder shared with 0.5.12.post1's phases never
+    mixes them); 0.5.23 serves every CP size (CP3 taken), and no CP is refused naming the sizes."""
+    soak = load_script("soak_pd")
+    seen = {}
+    monkeypatch.setattr(soak, "accumulate_runs", lambda work, tag, *a, **k: (seen.setdefault("tag", tag), ({}, {}))[1])
+    monkeypatch.setattr(sys, "argv", ["soak_pd.py", "--cp-size", "2", "--share-gpu", "--phases", "",
+                                      "--workdir", str(tmp_path / "w"), "--out", str(tmp_path / "soak.json")])
+    assert soak.main() == 1  # no phase: nothing judged
+    assert seen["tag"].startswith("cp2.") and seen["tag"].endswith(".share-gpu.interleave")
+    assert v0523.RELEASE.served_cp_sizes is None
+    monkeypatch.setattr(sys, "argv", ["soak_pd.py", "--cp-size", "3", "--phases", "", "--workdir", str(tmp_path / "w"),
+                                      "--out", str(tmp_path / "soak.json")])
+    assert soak.main() == 1 and seen["tag"].startswith("cp2.")  # (the first tag kept: setdefault)
+    monkeypatch.setattr(sys, "argv", ["soak_pd.py", "--cp-size", "1"])
     with pytest.raises(SystemExit) as exit_:
         soak.main()
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert f"sglang {v0523.RELEASE.version} is installed" in err and "idle_pool_audit_v0512" in err
-    assert "scripts/e2e_pd_gpu.py" in err
+    assert exit_.value.code == 2 and "choose one of (2, 3, 4, 5, 6, 7, 8)" in capsys.readouterr().err
