@@ -294,13 +294,18 @@ def test_sglangs_warmup_request_with_a_fake_receiver_passes_through(one_rank_gro
     from sglang.srt.disaggregation.fake.conn import FakeKVReceiver
     from sglang_cp_shared_kv.decode.failed_room_holds import HOLD_REQUEST_ATTR
 
-    queue, _, allocator, _ = transfer_queue(one_rank_group)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    queue, _, allocator, streamed = transfer_queue(one_rank_group)
+    # a real failed room beside it (/health_generate sends the same fake request while serving)
+    enqueue(queue, allocator, receiver(decode_manager(), OTHER_ROOM, KVPoll.Failed, expected=2), "failed")
     fake = FakeKVReceiver(None, "2.2.2.2:8998", bootstrap_room=FAILED_ROOM)
     req = enqueue(queue, allocator, SimpleNamespace(bootstrap_room=FAILED_ROOM), "warmup")
     queue.queue[-1].kv_receiver = fake
-    assert decode_server.failed_room_holds(queue) is not None
+    holds = decode_server.failed_room_holds(queue)
     assert queue.pop_transferred() == [] and not hasattr(req, HOLD_REQUEST_ATTR)
-    assert [d.req.rid for d in queue.queue] == ["warmup"]
+    assert [d.req.rid for d in queue.queue] == ["warmup"] and streamed == ["failed"]
+    assert len(holds) == 1 and queue.tree_cache.released == []  # the failed room held, as designed
 
 
 def test_a_failed_room_noted_before_sglang_clears_it():
