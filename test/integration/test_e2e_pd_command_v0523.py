@@ -256,8 +256,7 @@ def test_the_dsa_names_are_the_logprobs_scripts():
 
 
 # ------------------------------------------------------------------ what the script judges on 0.5.23
-def test_every_run_applies_on_interleave(pd):
-    assert pd.CP_STRATEGY == INTERLEAVE
+def test_every_run_applies_under_both_cp_strategies(pd):
     assert pd.runs_for(2) == list(pd.RUNS) and pd.runs_for(1) == pd.RUNS_WITHOUT_CP
 
 
