@@ -129,6 +129,13 @@ def publish(rank: int, record: Dict[str, float]) -> None:
         gauge.labels(rank=str(rank), field=field).set(float(record[field]))
 
 
+def pool_key(forward_ct, allocator, tree_cache, sglang_leak: bool) -> tuple:
+    """What, unchanged, lets an idle scheduler skip its next audit (until :data:`REFRESH_S`):
+    the forward count, the allocator's free counts, the tree's, SGLang's verdict."""
+    return (forward_ct, allocator.available_size(), len(allocator.free_pages), tree_cache.evictable_size(),
+            tree_cache.protected_size(), bool(sglang_leak))
+
+
 def audit_when_changed(scheduler, key_of: Callable[[], Optional[Hashable]], record_of: Callable[[], Dict[str, float]],
                        rank_of: Callable[[], int]) -> None:
     """Audit ``scheduler``'s pool (``record_of``) and publish it under ``rank_of()`` when
@@ -156,4 +163,4 @@ def audit_when_changed(scheduler, key_of: Callable[[], Optional[Hashable]], reco
 
 
 __all__ = ["AUDIT_METRIC", "FIELDS", "REFRESH_S", "STATE_ATTR", "AuditState", "audit_when_changed",
-           "held_locations_of_tree", "leak_found", "page_accounting", "pool_record", "publish"]
+           "held_locations_of_tree", "leak_found", "page_accounting", "pool_key", "pool_record", "publish"]

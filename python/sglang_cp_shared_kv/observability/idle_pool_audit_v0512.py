@@ -45,7 +45,7 @@ from typing import Dict
 from sglang_cp_shared_kv.settings.config import is_enabled
 from sglang_cp_shared_kv.observability.idle_pool_audit import (AUDIT_METRIC, FIELDS, REFRESH_S, audit_when_changed,
                                                                held_locations_of_tree, leak_found, page_accounting,
-                                                               pool_record, publish)
+                                                               pool_key, pool_record, publish)
 
 
 def _applies(scheduler) -> bool:
@@ -99,9 +99,8 @@ def audit_idle_pools(result, scheduler, *args, **kwargs):
     def key():
         if not scheduler.is_fully_idle():
             return None
-        allocator, tree_cache = scheduler.token_to_kv_pool_allocator, scheduler.tree_cache
-        return (getattr(scheduler, "forward_ct", None), allocator.available_size(), len(allocator.free_pages),
-                tree_cache.evictable_size(), tree_cache.protected_size(), bool(result[0]))
+        return pool_key(getattr(scheduler, "forward_ct", None), scheduler.token_to_kv_pool_allocator,
+                        scheduler.tree_cache, result[0])
 
     audit_when_changed(scheduler, key, lambda: audit(scheduler, sglang_leak=bool(result[0])),
                        lambda: _rank_of(scheduler))

@@ -76,7 +76,7 @@ from typing import Dict
 from sglang_cp_shared_kv import sglang_api as sg
 from sglang_cp_shared_kv.settings.config import is_enabled
 from sglang_cp_shared_kv.observability.idle_pool_audit import (AUDIT_METRIC, FIELDS, audit_when_changed,
-                                                               held_locations_of_tree, pool_record)
+                                                               held_locations_of_tree, pool_key, pool_record)
 
 logger = logging.getLogger(__name__)
 
@@ -158,9 +158,8 @@ def audit_idle_pools(result, checker, pool_stats=None, uncached: int = 0, *args,
         return result
 
     def key():
-        allocator, tree_cache = checker.token_to_kv_pool_allocator, checker.tree_cache
-        return (getattr(scheduler, "forward_ct", None), allocator.available_size(), len(allocator.free_pages),
-                tree_cache.evictable_size(), tree_cache.protected_size(), bool(result[0]))
+        return pool_key(getattr(scheduler, "forward_ct", None), checker.token_to_kv_pool_allocator,
+                        checker.tree_cache, result[0])
 
     audit_when_changed(scheduler, key, lambda: audit(checker, pool_stats, bool(result[0]), uncached),
                        lambda: _rank_of(scheduler))
